@@ -1,0 +1,35 @@
+"""Attention metadata: built by the model runner each step and passed down as an argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """A step's tokens are the requests' new tokens laid end to end.
+
+    Request i contributes query tokens [query_start_loc[i], query_start_loc[i + 1]) which are the
+    last query_lens[i] of its seq_lens[i] tokens; its KV lives in the blocks block_tables[i].
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int64, on the device
+    # Host copies: the torch backend loops over sequences and must not sync with the device.
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens_host: list[int]  # [num_seqs]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]

@@ -1,0 +1,130 @@
+"""The reference attention backend: torch's scaled_dot_product_attention over KV gathered from
+the paged cache by block table, and per-segment attention for the vision tower."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store the step's keys and values at their slots. kv_cache is
+        [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over all of its tokens."""
+        self.write_kv(k, v, kv_cache, meta)
+        out = torch.empty_like(q)
+        decode_rows: list[int] = []
+        for i in range(meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            q_len, seq_len = end - start, meta.seq_lens_host[i]
+            if q_len == 1 and seq_len > 1:
+                decode_rows.append(i)
+                continue
+            if q_len == seq_len:  # the whole sequence is new: attend to the fresh K/V directly
+                keys, values = k[start:end], v[start:end]
+            else:
+                keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+            out[start:end] = self._sdpa(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
+        if decode_rows:
+            self._batched_decode(q, kv_cache, meta, decode_rows, scale, out)
+        return out
+
+    @staticmethod
+    def _gather(
+        kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[:num_blocks]
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        keys = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        return keys, values  # [seq_len, num_kv_heads, head_dim]
+
+    @staticmethod
+    def _sdpa(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int
+    ) -> torch.Tensor:
+        q_len, kv_len = q.shape[0], keys.shape[0]
+        mask = None
+        if causal_offset == 0:
+            causal = q_len > 1
+        else:
+            # Query j sits at position causal_offset + j and sees keys 0 .. causal_offset + j.
+            causal = False
+            rows = torch.arange(q_len, device=q.device)[:, None] + causal_offset
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        )
+        return o.transpose(0, 1)
+
+    def _batched_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: list[int],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One query token per sequence: gather every sequence's KV padded to the longest and run
+        a single masked attention."""
+        token_index = torch.tensor([meta.query_start_loc[i] for i in rows], device=q.device)
+        seq_lens = meta.seq_lens[rows]
+        max_len = max(meta.seq_lens_host[i] for i in rows)
+        num_blocks = -(-max_len // meta.block_size)
+        blocks = meta.block_tables[rows, :num_blocks]  # [b, nb]
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        b = len(rows)
+        keys = kv_cache[0, blocks].reshape(b, -1, num_kv_heads, head_dim)[:, :max_len]
+        values = kv_cache[1, blocks].reshape(b, -1, num_kv_heads, head_dim)[:, :max_len]
+        # NOTE: padded positions hold stale but finite cache contents; the mask removes them.
+        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [b, max_len]
+        o = F.scaled_dot_product_attention(
+            q[token_index].unsqueeze(2),  # [b, num_heads, 1, head_dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=q.shape[1] != num_kv_heads,
+        )
+        out[token_index] = o.squeeze(2)
+
+    def varlen_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+    ) -> torch.Tensor:
+        """Bidirectional attention confined to each segment [cu_seqlens[i], cu_seqlens[i + 1])
+        (the vision tower: one segment per image frame). q, k, v: [num_tokens, num_heads, head_dim]."""
+        out = torch.empty_like(q)
+        for start, end in itertools.pairwise(cu_seqlens):
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), scale=scale
+            )
+            out[start:end] = o.transpose(0, 1)
+        return out

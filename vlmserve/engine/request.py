@@ -1,0 +1,92 @@
+"""A request inside the engine: its tokens, how many have been computed, and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+    ) -> None:
+        assert params.n == 1, "the engine runs one sample per request; n > 1 is fanned out above it"
+        self.request_id = request_id
+        self.prompt_token_ids = prompt.prompt_token_ids
+        self.mm_items: list[MultiModalItem] = prompt.mm_items
+        self.mrope_positions: torch.Tensor | None = prompt.mrope_positions
+        self.mrope_delta = prompt.mrope_delta
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        room = max_model_len - len(self.prompt_token_ids)
+        self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.output_token_ids: list[int] = []
+        # All tokens whose K/V is in the cache; the scheduler advances it.
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions [3, end - start] of tokens [start, end)."""
+        p = self.num_prompt_tokens
+        pieces = []
+        if start < p and self.mrope_positions is not None:
+            pieces.append(self.mrope_positions[:, start : min(end, p)])
+            start = min(end, p)
+        if start < end:
+            # Generated tokens (and prompts without precomputed positions) advance all three
+            # streams together, offset by the prompt's mrope_delta.
+            delta = self.mrope_delta if self.mrope_positions is not None else 0
+            pieces.append(torch.arange(start + delta, end + delta).expand(3, -1))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id if token_id in self.stop_token_ids else None
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,207 @@
+"""The offline API, with vLLM's names: LLM(model).generate(prompts) and LLM(model).chat(messages)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmserve.engine.llm_engine import EngineConfig, LLMEngine
+from vlmserve.multimodal.image import ImageSizing
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.multimodal.media import MediaLimits
+from vlmserve.outputs import RequestOutput
+from vlmserve.processor.chat import SIZING_KEYS, parse_chat_messages
+from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """A model and its engine, in this process.
+
+    `model` is a checkpoint directory or a Hugging Face hub id; None runs the embedded tiny
+    random-weight Qwen2-VL (written on first use), whose answers are random text.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        revision: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        kv_cache_memory_gib: float | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_local_media_path: str | Path | None = None,
+    ) -> None:
+        if model is None:
+            from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
+
+            model = default_checkpoint_dir()
+        config = EngineConfig(
+            model=str(model),
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            kv_cache_memory_bytes=None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * (1 << 30)),
+            limit_mm_per_prompt=limit_mm_per_prompt or {"image": 8},
+            media_limits=MediaLimits(
+                allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
+            ),
+        )
+        self.llm_engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    # -- generate ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | dict[str, Any] | Sequence[str | dict[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """A prompt is a string, {"prompt": str, "multi_modal_data": {"image": ...}} (one
+        <|vision_start|><|image_pad|><|vision_end|> per image in the text) or
+        {"prompt_token_ids": [...], ...}."""
+        batch = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_for(sampling_params, len(batch))
+        processed = [self._process_prompt(p, f"prompts[{i}]") for i, p in enumerate(batch)]
+        return self._run(processed, params)
+
+    def _process_prompt(self, prompt: str | dict[str, Any], where: str) -> ProcessedPrompt:
+        processor = self.llm_engine.processor
+        if isinstance(prompt, str):
+            return processor.process(prompt, [])
+        if not isinstance(prompt, dict):
+            raise ValueError(f"{where} must be a string or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+        text = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if not isinstance(text, (str, list)) or (isinstance(text, list) and not all(isinstance(t, int) for t in text)):
+            raise ValueError(f"{where} needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
+        mm_data = prompt.get("multi_modal_data") or {}
+        unsupported = set(mm_data) - {"image"}
+        if unsupported:
+            raise ValueError(f"{where}.multi_modal_data: unsupported modality {sorted(unsupported)}; supported: image")
+        sources = mm_data.get("image", [])
+        sources = sources if isinstance(sources, list) else [sources]
+        kwargs = prompt.get("mm_processor_kwargs") or {}
+        bad = set(kwargs) - set(SIZING_KEYS)
+        if bad:
+            raise ValueError(f"{where}.mm_processor_kwargs: unknown keys {sorted(bad)}; supported: {list(SIZING_KEYS)}")
+        sizing = ImageSizing(**kwargs)
+        images = [ImageInput(src, sizing, f"{where}.multi_modal_data.image[{k}]") for k, src in enumerate(sources)]
+        return processor.process(text, images)
+
+    # -- chat -------------------------------------------------------------------------------------
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations. Content parts may
+        be OpenAI-style (text, image_url) or qwen-vl-utils-style ({"type": "image", "image": ...})."""
+        processed = [
+            self.process_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs, where)
+            for where, conv in _conversations(messages)
+        ]
+        params = self._params_for(sampling_params, len(processed))
+        return self._run(processed, params)
+
+    def process_chat(
+        self,
+        messages: Conversation,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        where: str = "",
+    ) -> ProcessedPrompt:
+        try:
+            rendered, images = parse_chat_messages(messages)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+        images = [ImageInput(i.source, i.sizing, where + i.label) for i in images]
+        text = self.llm_engine.tokenizer.apply_chat_template(
+            rendered, add_generation_prompt, chat_template, **(chat_template_kwargs or {})
+        )
+        return self.llm_engine.processor.process(text, images)
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _params_for(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, or one per prompt")
+        return params
+
+    def _run(self, prompts: list[ProcessedPrompt], params: list[SamplingParams]) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        added: list[str] = []
+        finals: dict[str, RequestOutput] = {}
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+            while len(finals) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finals[output.request_id] = output
+        except BaseException:
+            # Leave the engine as it was: nothing of this call may linger in it.
+            for request_id in added:
+                if request_id not in finals:
+                    engine.abort_request(request_id)
+            raise
+        return [finals[request_id] for request_id in ids]
+
+    def stream(self, prompt: ProcessedPrompt, params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (cumulative text)."""
+        engine = self.llm_engine
+        request_id = str(next(self._ids))
+        engine.add_request(request_id, prompt, params)
+        try:
+            while True:
+                for output in engine.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            engine.abort_request(request_id)
+
+
+def _conversations(messages: Conversation | Sequence[Conversation]) -> list[tuple[str, Conversation]]:
+    if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+        return [(f"conversations[{i}].", conv) for i, conv in enumerate(messages)]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of messages or of conversations")
+    return [("", messages)]  # type: ignore[list-item]

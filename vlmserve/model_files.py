@@ -1,0 +1,86 @@
+"""Find a checkpoint's files: a local directory as published on the Hugging Face hub, or a hub id
+downloaded through huggingface_hub."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# What a serving engine needs from a hub repository; original/*.pth and the like stay behind.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "merges.txt", "vocab.json", "*.tiktoken"]
+
+
+def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory but holds no config.json; is it a checkpoint?")
+        return path
+    name = str(model)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model {name!r}: no checkpoint directory there, and it is not a hub id (org/name)")
+    return _download(name, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:  # A complete local copy needs no network.
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise OSError(
+            f"model {repo_id!r}: could not download it from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Without network access, pass the path of a local checkpoint directory instead."
+        ) from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} must hold a JSON object")
+    return data
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files: those named by model.safetensors.index.json, else model.safetensors,
+    else every *.safetensors file in the directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shards named in the index are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)

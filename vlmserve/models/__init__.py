@@ -1,0 +1,46 @@
+"""Model families behind one protocol: embed_multimodal, get_input_embeddings, forward,
+compute_logits, load_weights. The engine never branches on the family."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlmserve.attention import AttentionBackend
+from vlmserve.config import ModelConfig
+from vlmserve.model_files import iterate_weights
+from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig, model_dir: Path, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    if config.architecture not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
+    # Built on the meta device so no memory is spent on random initialisation, then allocated
+    # once on the target device and filled from the checkpoint.
+    with torch.device("meta"), _default_dtype(dtype):
+        model = MODEL_REGISTRY[config.architecture](config, backend)  # type: ignore[call-arg]
+    model = model.to_empty(device=device)
+    model.load_weights(iterate_weights(model_dir))  # type: ignore[operator]
+    model.eval()
+    model.requires_grad_(False)
+    return model

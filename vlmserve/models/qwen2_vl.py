@@ -1,0 +1,97 @@
+"""Qwen2-VL: the vision tower's merged patch embeddings replace the <|image_pad|> tokens of a
+Qwen2 decoder with M-RoPE."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.attention import AttentionBackend
+from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.config import ModelConfig
+from vlmserve.models.loader import WeightTable, load_weights
+from vlmserve.models.qwen2 import Qwen2Model
+from vlmserve.models.qwen2_vision import Qwen2VisionTransformer
+from vlmserve.multimodal.inputs import MultiModalItem
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = Qwen2VisionTransformer(config.vision, backend)
+        self.model = Qwen2Model(config.text, backend)
+        self.lm_head = (
+            None
+            if config.text.tie_word_embeddings
+            else nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        )
+
+    # -- the model protocol -------------------------------------------------------------------
+
+    def embed_multimodal(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
+        """Encode the items in one vision pass; one [item.length, hidden] tensor per item."""
+        if not items:
+            return []
+        device = self.model.embed_tokens.weight.device
+        pixel_values = torch.cat([item.pixel_values for item in items]).to(device, non_blocking=True)
+        embeds = self.visual(pixel_values, [item.grid_thw for item in items])
+        return list(embeds.split([item.length for item in items]))
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [num_tokens] (or inputs_embeds [num_tokens, hidden]), positions
+        [3, num_tokens] -> hidden states [num_tokens, hidden]."""
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.model(inputs_embeds, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def weight_table(self) -> WeightTable:
+        text = self.config.text
+        q_size = text.num_attention_heads * text.head_dim
+        kv_size = text.num_key_value_heads * text.head_dim
+        offsets = {
+            ("qkv_proj", "q"): (0, q_size),
+            ("qkv_proj", "k"): (q_size, kv_size),
+            ("qkv_proj", "v"): (q_size + kv_size, kv_size),
+            ("gate_up_proj", "0"): (0, text.intermediate_size),
+            ("gate_up_proj", "1"): (text.intermediate_size, text.intermediate_size),
+        }
+        embed_dim = self.config.vision.embed_dim
+        return WeightTable(
+            # transformers 5 saves model.language_model.* and model.visual.*; 4.x model.* and visual.*
+            renames=(("model.language_model.", "model."), ("model.visual.", "visual.")),
+            packed={
+                "q_proj": ("qkv_proj", "q"),
+                "k_proj": ("qkv_proj", "k"),
+                "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", "0"),
+                "up_proj": ("gate_up_proj", "1"),
+            },
+            shards=lambda module, shard: offsets[(module, shard)],
+            reshape={"visual.patch_embed.proj.weight": lambda w: w.reshape(embed_dim, -1)},
+            ignore=lambda name: (
+                name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+            ),
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights(self, weights, self.weight_table())

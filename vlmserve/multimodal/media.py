@@ -1,0 +1,153 @@
+"""Load images from what users pass: a path, a file:// / data: / http(s) URL, raw bytes or a PIL image.
+
+Every failure is a `MediaError` (a ValueError) whose message names the item (`label`) and what is
+wrong, and never carries decoder internals.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageOps
+
+# Formats a user may send. Pillow can open many more (EPS runs Ghostscript, FITS, PDF, ...);
+# everything outside this list is refused before decoding.
+ALLOWED_IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+
+
+class MediaError(ValueError):
+    """A media item could not be used; the message names the item and the reason."""
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = 50 * 1024 * 1024
+    max_image_pixels: int = 8192 * 8192
+    fetch_timeout_s: float = 10.0
+    # None: local paths and file:// URLs are allowed anywhere (the offline API's default);
+    # a folder: only files under it.
+    allowed_local_media_path: Path | None = None
+    allow_local_files: bool = True
+
+
+DEFAULT_LIMITS = MediaLimits()
+
+
+def load_image(source: object, label: str = "image", limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Open `source` as a PIL image with EXIF orientation applied; pixels are decoded."""
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return decode_image(bytes(source), label, limits)
+    if isinstance(source, Path):
+        return decode_image(_read_local(source, label, limits), label, limits)
+    if not isinstance(source, str):
+        raise MediaError(f"{label}: expected a path, URL, bytes or PIL image, got {type(source).__name__}")
+    if not source:
+        raise MediaError(f"{label}: empty image reference")
+    scheme = source.split(":", 1)[0].lower() if ":" in source[:12] else ""
+    if scheme == "data":
+        return decode_image(parse_data_url(source, label, limits), label, limits)
+    if scheme in ("http", "https"):
+        return decode_image(fetch_url(source, label, limits), label, limits)
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(source)
+        if parsed.netloc not in ("", "localhost"):
+            raise MediaError(f"{label}: file:// URL with a remote host is not supported")
+        path = Path(urllib.parse.unquote(parsed.path))
+        return decode_image(_read_local(path, label, limits), label, limits)
+    if scheme and len(scheme) > 1:  # "C:" style drive letters are paths, anything longer a scheme
+        raise MediaError(f"{label}: unsupported URL scheme {scheme!r}; use a path, file://, data: or http(s)://")
+    return decode_image(_read_local(Path(source), label, limits), label, limits)
+
+
+def _read_local(path: Path, label: str, limits: MediaLimits) -> bytes:
+    if not limits.allow_local_files:
+        raise MediaError(f"{label}: local files are not allowed")
+    resolved = Path(os.path.realpath(path))
+    if limits.allowed_local_media_path is not None:
+        root = Path(os.path.realpath(limits.allowed_local_media_path))
+        if not resolved.is_relative_to(root) or not resolved.is_file():
+            # "outside the allowed folder" and "missing" read the same on purpose.
+            raise MediaError(f"{label}: file not found or not allowed")
+    if not resolved.is_file():
+        raise MediaError(f"{label}: file not found: {path}")
+    size = resolved.stat().st_size
+    if size > limits.max_bytes:
+        raise MediaError(f"{label}: file is {size} bytes, over the {limits.max_bytes}-byte limit")
+    return resolved.read_bytes()
+
+
+def parse_data_url(url: str, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaError(f"{label}: malformed data URL (no comma)")
+    if not header.lower().endswith(";base64"):
+        raise MediaError(f"{label}: data URL must be base64-encoded (data:<type>;base64,<data>)")
+    if len(payload) * 3 // 4 > limits.max_bytes:
+        raise MediaError(f"{label}: data URL is over the {limits.max_bytes}-byte limit")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError(f"{label}: data URL holds invalid base64") from None
+    if not data:
+        raise MediaError(f"{label}: data URL is empty")
+    return data
+
+
+def fetch_url(url: str, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> bytes:
+    import httpx
+
+    try:
+        with (
+            httpx.Client(timeout=limits.fetch_timeout_s, follow_redirects=True, max_redirects=5) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code >= 400:
+                raise MediaError(f"{label}: fetching the URL returned HTTP {response.status_code}")
+            chunks, total = [], 0
+            for chunk in response.iter_bytes():
+                total += len(chunk)
+                if total > limits.max_bytes:
+                    raise MediaError(f"{label}: download exceeds the {limits.max_bytes}-byte limit")
+                chunks.append(chunk)
+    except httpx.TimeoutException:
+        raise MediaError(f"{label}: fetching the URL timed out after {limits.fetch_timeout_s}s") from None
+    except httpx.HTTPError as e:
+        raise MediaError(f"{label}: could not fetch the URL ({type(e).__name__})") from None
+    return b"".join(chunks)
+
+
+def decode_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    if not data:
+        raise MediaError(f"{label}: image data is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=sorted(ALLOWED_IMAGE_FORMATS))
+    except Image.UnidentifiedImageError:
+        raise MediaError(
+            f"{label}: cannot decode image (not one of {', '.join(sorted(ALLOWED_IMAGE_FORMATS))})"
+        ) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise MediaError(f"{label}: image declares too many pixels") from None
+    width, height = image.size
+    # Checked on the header, before any pixel is decoded.
+    if width * height > limits.max_image_pixels:
+        raise MediaError(
+            f"{label}: image is {width}x{height} = {width * height} pixels, over the {limits.max_image_pixels} limit"
+        )
+    try:
+        image.load()
+        # Same orientation handling as transformers' load_image.
+        oriented = ImageOps.exif_transpose(image)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise MediaError(f"{label}: image data is truncated or corrupt") from None
+    return oriented

@@ -1,0 +1,94 @@
+"""Chat messages in the two shapes users send, OpenAI's and qwen-vl-utils', reduced to what the
+chat template renders plus the list of images in order.
+
+OpenAI:          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+qwen-vl-utils:   {"type": "image", "image": "file:///a.jpg", "max_pixels": 200704}
+both:            {"type": "text", "text": "..."}; or the whole content as one string
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vlmserve.multimodal.image import ImageSizing
+from vlmserve.processor.qwen2_vl import ImageInput
+
+SIZING_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _sizing(part: dict[str, Any], label: str) -> ImageSizing:
+    values: dict[str, int] = {}
+    for key in SIZING_KEYS:
+        if key in part:
+            value = part[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label}: {key} must be a positive integer, got {value!r}")
+            values[key] = value
+    if ("resized_height" in values) != ("resized_width" in values):
+        raise ValueError(f"{label}: resized_height and resized_width must be given together")
+    return ImageSizing(**values)
+
+
+def _image_part(part: dict[str, Any], where: str, index: int) -> ImageInput:
+    label = f"{where} (image {index + 1})"
+    if "image_url" in part:
+        spec = part["image_url"]
+        options = dict(part)
+        if isinstance(spec, dict):
+            options.update(spec)
+            spec = spec.get("url")
+        source = spec
+    else:
+        source, options = part.get("image"), part
+    if source is None or (isinstance(source, str) and not source):
+        raise ValueError(f"{label}: image part has no image or URL")
+    return ImageInput(source=source, sizing=_sizing(options, label), label=label)
+
+
+def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """Validate `messages`; return them with content parts normalised for the chat template
+    ({"type": "image"} / {"type": "text", "text": ...}) and the images in order of appearance."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    rendered: list[dict[str, Any]] = []
+    images: list[ImageInput] = []
+    for mi, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{mi}] must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{mi}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = message.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            rendered.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{mi}].content must be a string or a list of parts")
+        parts: list[dict[str, Any]] = []
+        for pi, part in enumerate(content):
+            where = f"messages[{mi}].content[{pi}]"
+            if isinstance(part, str):
+                parts.append({"type": "text", "text": part})
+                continue
+            if not isinstance(part, dict):
+                raise ValueError(f"{where} must be an object")
+            kind = part.get("type")
+            if kind == "text" or (kind is None and "text" in part):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ValueError(f"{where}: text part needs a string 'text'")
+                parts.append({"type": "text", "text": text})
+            elif kind in ("image", "image_url") or (kind is None and ("image" in part or "image_url" in part)):
+                images.append(_image_part(part, where, len(images)))
+                parts.append({"type": "image"})
+            elif kind in ("video", "video_url") or "video" in part:
+                raise ValueError(f"{where}: video input is not supported yet")
+            elif kind in ("audio", "input_audio", "audio_url") or "audio" in part:
+                raise ValueError(f"{where}: this model has no audio input")
+            else:
+                raise ValueError(f"{where}: unsupported content part type {kind!r}")
+        rendered.append({"role": role, "content": parts})
+    return rendered, images

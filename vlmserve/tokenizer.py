@@ -1,0 +1,115 @@
+"""The checkpoint's tokenizer (tokenizer.json through `tokenizers`) and its chat template."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from vlmserve.model_files import read_json
+
+
+def load_chat_template(model_dir: Path) -> str | None:
+    """The template in the order transformers looks: chat_template.jinja, chat_template.json
+    (the processor's), then tokenizer_config.json."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = read_json(model_dir / "chat_template.json").get("chat_template")
+    if template is None:
+        template = read_json(model_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    # The environment transformers renders chat templates in: sandboxed, trim_blocks and
+    # lstrip_blocks, loop controls, tojson without ASCII escaping, raise_exception().
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+        self._tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        self.config = read_json(model_dir / "tokenizer_config.json")
+        self.chat_template_source = load_chat_template(model_dir)
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens written in the text (<|im_start|>, <|image_pad|>, ...) map to their ids,
+        # as transformers does for Qwen (split_special_tokens=False). Qwen adds no BOS.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"the tokenizer has no token {token!r}")
+        return token_id
+
+    def _special_token(self, key: str) -> str | None:
+        value = self.config.get(key)
+        if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        eos = self._special_token("eos_token")
+        return self._tokenizer.token_to_id(eos) if eos else None
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _chat_template(self) -> jinja2.Template:
+        if self.chat_template_source is None:
+            raise ValueError("this checkpoint has no chat template; pass chat_template= or use generate()")
+        return compile_chat_template(self.chat_template_source)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        template = compile_chat_template(chat_template) if chat_template else self._chat_template
+        special = {k: self._special_token(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template could not render these messages: {e}") from None
