@@ -63,13 +63,10 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vlmserve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+def _chat_parser() -> argparse.ArgumentParser:
+    chat = argparse.ArgumentParser(
+        prog="vlmserve chat", description="Ask one question, optionally about images, and stream the answer."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    chat = sub.add_parser("chat", help="ask one question, optionally about images, and stream the answer")
     chat.add_argument(
         "words",
         nargs="+",
@@ -85,19 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--device", default="auto", help="auto, cpu or cuda")
     chat.add_argument("--max-model-len", type=int, default=8192)
     chat.set_defaults(func=_chat)
+    return chat
 
-    tiny = sub.add_parser("make-tiny", help="write a tiny random-weight Qwen2-VL checkpoint (hub layout)")
+
+def _make_tiny_parser() -> argparse.ArgumentParser:
+    tiny = argparse.ArgumentParser(
+        prog="vlmserve make-tiny", description="Write a tiny random-weight Qwen2-VL checkpoint in the hub layout."
+    )
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")
     tiny.add_argument("--untied", action="store_true", help="separate lm_head weights")
     tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards (with an index)")
     tiny.set_defaults(func=_make_tiny)
-    return parser
+    return tiny
+
+
+COMMANDS = {"chat": _chat_parser, "make-tiny": _make_tiny_parser}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    # Options may come before, between or after the positional words ("MODEL --image X QUESTION").
+    args = COMMANDS[argv[0]]().parse_intermixed_args(argv[1:])
     return int(args.func(args))
 
 

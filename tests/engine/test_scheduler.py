@@ -1,0 +1,129 @@
+"""The scheduler driven directly: hand-built requests, sampled tokens supplied by the test."""
+
+from __future__ import annotations
+
+from tests.engine.helpers import make_request
+from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.request import RequestStatus
+from vlmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_seqs, budget, 4096), KVCacheManager(num_blocks, block_size))
+
+
+def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = s.schedule()
+    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_budget_chunks_long_prompts_and_running_requests_go_first() -> None:
+    s = make_scheduler(budget=10)
+    a, b = make_request("a", 25), make_request("b", 4)
+    s.add_request(a)
+    s.add_request(b)
+    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 10)]
+    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 10)]
+    # a needs 5 more, b its 4 prompt tokens: both fit in one step, a (running) first.
+    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 5), ("b", 4)]
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 1), ("b", 1)]  # decoding
+
+
+def test_new_requests_join_between_steps_and_finished_ones_free_at_once() -> None:
+    s = make_scheduler()
+    a = make_request("a", 4, max_tokens=2)
+    s.add_request(a)
+    run_step(s)
+    b = make_request("b", 4, max_tokens=5)
+    s.add_request(b)
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 4)]
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7]
+    assert "a" not in s.kv.block_ids and "a" not in s.requests
+    assert [r.request_id for r in s.running] == ["b"]
+
+
+def test_eos_and_stop_token_finish_requests() -> None:
+    s = make_scheduler()
+    a = make_request("a", 3, max_tokens=10)
+    s.add_request(a)
+    run_step(s, token=99999)  # the request's eos id
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason is None
+    assert not s.has_unfinished() and s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_max_num_seqs_and_fcfs() -> None:
+    s = make_scheduler(max_seqs=2, budget=100)
+    for name in "abcd":
+        s.add_request(make_request(name, 3))
+    out = run_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c", "d"]
+
+
+def test_preemption_frees_the_newest_and_recomputes_it() -> None:
+    # 6 blocks of 4 tokens. a and b each hold 3 blocks after their 12-token prompts (and their
+    # first sampled token); a's next token needs a fourth block: b, the newest, is preempted.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 11, max_tokens=20), make_request("b", 11, max_tokens=20)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # both prefilled: 11 + 1 sampled token each
+    run_step(s)  # token 12 of each: fits in block 3
+    assert s.kv.pool.num_free == 0
+    out = run_step(s)  # a's 14th token needs a new block -> b preempted
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert "b" not in s.kv.block_ids and s.waiting[0] is b
+    assert b.output_token_ids == [7, 7]  # kept, recomputed on resume
+    # Finish a; b comes back and recomputes prompt + its outputs in one chunk.
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 13)]
+    assert b.output_token_ids == [7, 7, 7]
+
+
+def test_abort_frees_everything_at_once() -> None:
+    s = make_scheduler()
+    a = make_request("a", 20, images=[(2, 8, "img-a")])
+    s.add_request(a)
+    s.add_request(make_request("w", 3))
+    run_step(s)
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    s.finish_request("w", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert not s.running and not s.waiting and not s.requests
+    assert s.encoder_refs == {}
+    assert s.schedule().free_encoder_hashes == ["img-a"]
+
+
+def test_an_image_split_across_chunks_is_encoded_once_and_kept_until_its_last_token() -> None:
+    s = make_scheduler(budget=6)
+    a = make_request("a", 20, images=[(2, 10, "img")])  # placeholders 2..11
+    s.add_request(a)
+    out = run_step(s)  # tokens 0..5: image starts
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0)]
+    assert s.encoder_refs == {"img": {"a"}}
+    out = run_step(s)  # 6..11: image ends exactly here
+    assert out.encoder_inputs == []
+    assert s.encoder_refs == {}
+    assert run_step(s).free_encoder_hashes == ["img"]
+
+
+def test_identical_images_in_two_requests_are_encoded_once() -> None:
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("a", 10, images=[(1, 4, "same")]))
+    s.add_request(make_request("b", 10, images=[(1, 4, "same"), (6, 2, "other")]))
+    out = s.schedule()
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0), ("b", 1)]
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    s = make_scheduler(num_blocks=4, block_size=4)
+    import pytest
+
+    with pytest.raises(ValueError, match="needs 5 KV blocks.*4 in all"):
+        s.add_request(make_request("big", 17))

@@ -1,0 +1,77 @@
+"""`vlmserve` as a user runs it: a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from vlmserve import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+SUNSET = REPO / "examples" / "sunset.png"
+
+
+def vlmserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("vlmserve", path=str(Path(sys.executable).parent)) or shutil.which("vlmserve")
+    assert exe, "the vlmserve console script is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_chat_streams_the_same_answer_as_the_api(tiny_dir: Path) -> None:
+    question = "What is in this picture?"
+    result = vlmserve(
+        "chat",
+        str(tiny_dir),
+        "--image",
+        str(SUNSET),
+        question,
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+    )
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=8192, kv_cache_memory_gib=0.01)
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": str(SUNSET)}, {"type": "text", "text": question}]}
+    ]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert result.stdout == expected + "\n"
+    assert expected.strip()
+
+
+def test_chat_reports_bad_images(tiny_dir: Path) -> None:
+    result = vlmserve("chat", str(tiny_dir), "--image", "/no/such.png", "hi", "--dtype", "float32")
+    assert result.returncode == 2
+    assert "error: messages[0].content[0] (image 1): file not found: /no/such.png" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_default_checkpoint_is_written_on_first_use(tmp_path: Path) -> None:
+    result = vlmserve(
+        "chat", "--image", str(SUNSET), "Describe it.", "--max-tokens", "4", env={"VLMSERVE_CACHE": str(tmp_path)}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "embedded tiny random-weight checkpoint" in result.stderr
+    assert (tmp_path / "tiny-qwen2-vl-v1" / "config.json").is_file()
+    assert result.stdout.strip()
+
+
+def test_make_tiny(tmp_path: Path) -> None:
+    result = vlmserve("make-tiny", str(tmp_path / "t"), "--nested-config", "--untied", "--shards", "3")
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in (tmp_path / "t").iterdir()}
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "model-00003-of-00003.safetensors",
+        "generation_config.json",
+        "preprocessor_config.json",
+    } <= names

@@ -1,0 +1,60 @@
+"""Drive a vlmserve model directly through paged attention, without the scheduler: the prompt in
+chunks of any sizes, then decode steps, returning logits for comparison with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlmserve.attention import select_backend
+from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.config import ModelConfig
+from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.request import Request
+from vlmserve.models import build_model
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+
+
+class Harness:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, num_blocks: int = 256) -> None:
+        config = ModelConfig.from_file(model_dir / "config.json")
+        self.model = build_model(config, model_dir, select_backend(torch.device("cpu")), torch.device("cpu"), dtype)
+        self.kv = KVCacheManager(num_blocks, block_size=16)
+        self.runner = ModelRunner(self.model, self.kv, torch.device("cpu"), dtype)
+
+    @torch.inference_mode()
+    def logits(self, prompt: ProcessedPrompt, chunks: list[int] | None = None, extra: list[int] = ()) -> torch.Tensor:
+        """Logits [num_tokens, vocab] for the prompt (computed in `chunks`) followed by `extra`
+        tokens decoded one at a time."""
+        request = Request("r", prompt, SamplingParams(max_tokens=len(extra) + 1), frozenset(), 1 << 20)
+        request.output_token_ids = list(extra)
+        total = request.num_tokens
+        sizes = (chunks or [prompt.num_tokens]) + [1] * len(extra)
+        assert sum(sizes) == total
+        assert self.kv.allocate_slots("r", total)
+        encoded = self.model.embed_multimodal(prompt.mm_items)
+        out = []
+        for n in sizes:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            ids = torch.tensor(request.token_ids(start, end))
+            embeds = self.model.get_input_embeddings(ids)
+            for item, item_embeds in zip(prompt.mm_items, encoded, strict=True):
+                lo, hi = max(start, item.offset), min(end, item.end)
+                if lo < hi:
+                    embeds[lo - start : hi - start] = item_embeds[lo - item.offset : hi - item.offset]
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([self.kv.slot("r", t) for t in range(start, end)]),
+                block_tables=torch.tensor([self.kv.block_ids["r"]]),
+                seq_lens=torch.tensor([end]),
+                query_start_loc=[0, n],
+                seq_lens_host=[end],
+                block_size=self.kv.block_size,
+            )
+            hidden = self.model(None, request.positions(start, end), meta, embeds)
+            out.append(self.model.compute_logits(hidden).float())
+            request.num_computed_tokens = end
+        self.kv.free("r")
+        return torch.cat(out)

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vlmserve.tokenizer import Tokenizer, load_chat_template
+from vlmserve.tools.tiny_checkpoint import QWEN2_VL_CHAT_TEMPLATE
+
+MESSAGES = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+    {"role": "assistant", "content": "A cat."},
+    {"role": "user", "content": "And its colour?"},
+]
+
+
+def test_chat_template_matches_transformers(tiny_dir: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tok = Tokenizer(tiny_dir)
+    for add in (True, False):
+        ours = tok.apply_chat_template(MESSAGES, add_generation_prompt=add)
+        theirs = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add)
+        assert ours == theirs
+    assert ours.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert "<|vision_start|><|image_pad|><|vision_end|>What is this?" in ours
+    with_ids = tok.apply_chat_template(MESSAGES, add_vision_id=True)
+    assert "Picture 1: <|vision_start|>" in with_ids
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.json", "chat_template.jinja"])
+def test_template_found_wherever_it_is_stored(tmp_path: Path, where: str) -> None:
+    if where == "tokenizer_config.json":
+        (tmp_path / where).write_text(json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}))
+    elif where == "chat_template.json":
+        (tmp_path / where).write_text(json.dumps({"chat_template": QWEN2_VL_CHAT_TEMPLATE}))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "stale"}))
+    else:
+        (tmp_path / where).write_text(QWEN2_VL_CHAT_TEMPLATE)
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "stale"}))
+    assert load_chat_template(tmp_path) == QWEN2_VL_CHAT_TEMPLATE
+
+
+def test_encode_decode_and_special_tokens(tiny_dir: Path) -> None:
+    tok = Tokenizer(tiny_dir)
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 151644 and ids[-1] == 151645
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    assert tok.eos_token_id == 151645
+    assert {151643, 151655, 151656} <= tok.special_token_ids
+
+
+def test_template_errors_are_value_errors(tiny_dir: Path) -> None:
+    tok = Tokenizer(tiny_dir)
+    with pytest.raises(ValueError, match="could not render"):
+        tok.apply_chat_template(MESSAGES, chat_template="{{ raise_exception('roles must alternate') }}")
