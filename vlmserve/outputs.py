@@ -28,3 +28,5 @@ class RequestOutput:
     finished: bool
     # Placeholder tokens per image in the prompt (usage accounting).
     num_image_tokens: list[int] = field(default_factory=list)
+    # Prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0

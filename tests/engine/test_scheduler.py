@@ -8,8 +8,17 @@ from vlmserve.engine.request import RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget, 4096), KVCacheManager(num_blocks, block_size))
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    prefix_caching: bool = True,
+    encoder_budget: int = 64,
+    encoder_cache: int = 64,
+) -> Scheduler:
+    config = SchedulerConfig(max_seqs, budget, 4096, encoder_budget, encoder_cache)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -67,8 +76,8 @@ def test_max_num_seqs_and_fcfs() -> None:
 def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     # 6 blocks of 4 tokens. a and b each hold 3 blocks after their 12-token prompts (and their
     # first sampled token); a's next token needs a fourth block: b, the newest, is preempted.
-    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
-    a, b = make_request("a", 11, max_tokens=20), make_request("b", 11, max_tokens=20)
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, prefix_caching=False)
+    a, b = make_request("a", 11, max_tokens=20), make_request("b", 11, max_tokens=20, first_token=100)
     s.add_request(a)
     s.add_request(b)
     run_step(s)  # both prefilled: 11 + 1 sampled token each
@@ -76,7 +85,7 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     assert s.kv.pool.num_free == 0
     out = run_step(s)  # a's 14th token needs a new block -> b preempted
     assert [r.request_id for r, _ in out.scheduled] == ["a"]
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert "b" not in s.kv.block_ids and s.waiting[0] is b
     assert b.output_token_ids == [7, 7]  # kept, recomputed on resume
     # Finish a; b comes back and recomputes prompt + its outputs in one chunk.
@@ -87,7 +96,7 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
 
 
 def test_abort_frees_everything_at_once() -> None:
-    s = make_scheduler()
+    s = make_scheduler(encoder_cache=10)
     a = make_request("a", 20, images=[(2, 8, "img-a")])
     s.add_request(a)
     s.add_request(make_request("w", 3))
@@ -96,8 +105,9 @@ def test_abort_frees_everything_at_once() -> None:
     s.finish_request("w", RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.num_free == s.kv.pool.num_blocks
     assert not s.running and not s.waiting and not s.requests
-    assert s.encoder_refs == {}
-    assert s.schedule().free_encoder_hashes == ["img-a"]
+    assert s.encoder_cache.users == {"img-a": set()}  # kept for reuse, but nobody holds it
+    s.add_request(make_request("b", 20, images=[(2, 9, "img-b")], first_token=500))
+    assert s.schedule().free_encoder_hashes == ["img-a"]  # evicted to make room
 
 
 def test_an_image_split_across_chunks_is_encoded_once_and_kept_until_its_last_token() -> None:
@@ -106,24 +116,93 @@ def test_an_image_split_across_chunks_is_encoded_once_and_kept_until_its_last_to
     s.add_request(a)
     out = run_step(s)  # tokens 0..5: image starts
     assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0)]
-    assert s.encoder_refs == {"img": {"a"}}
+    assert s.encoder_cache.users == {"img": {"a"}}
     out = run_step(s)  # 6..11: image ends exactly here
     assert out.encoder_inputs == []
-    assert s.encoder_refs == {}
-    assert run_step(s).free_encoder_hashes == ["img"]
+    assert s.encoder_cache.users == {"img": set()} and "img" in s.encoder_cache.unused
 
 
 def test_identical_images_in_two_requests_are_encoded_once() -> None:
-    s = make_scheduler(budget=100)
+    s = make_scheduler(budget=100, prefix_caching=False)
     s.add_request(make_request("a", 10, images=[(1, 4, "same")]))
-    s.add_request(make_request("b", 10, images=[(1, 4, "same"), (6, 2, "other")]))
+    s.add_request(make_request("b", 10, images=[(1, 4, "same"), (6, 2, "other")], first_token=50))
     out = s.schedule()
     assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0), ("b", 1)]
+    assert (s.encoder_cache.hits, s.encoder_cache.misses) == (1, 2)
+
+
+def test_encoder_cache_keeps_finished_images_and_evicts_least_recent() -> None:
+    s = make_scheduler(budget=100, prefix_caching=False, encoder_cache=10)
+    s.add_request(make_request("a", 8, images=[(1, 4, "x")], max_tokens=1))
+    s.add_request(make_request("b", 8, images=[(1, 4, "y")], max_tokens=1, first_token=50))
+    run_step(s)  # both done; x and y stay cached (8 of 10 tokens)
+    s.add_request(make_request("c", 8, images=[(1, 4, "x")], max_tokens=1, first_token=90))
+    out = run_step(s)
+    assert out.encoder_inputs == []  # x is still there: no encode
+    s.add_request(make_request("d", 8, images=[(1, 4, "z")], max_tokens=1, first_token=130))
+    out = s.schedule()
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("d", 0)]
+    assert out.free_encoder_hashes == ["y"]  # x was used more recently than y
+
+
+def test_chunks_stop_before_an_image_the_encoder_cannot_take() -> None:
+    # Encoder cache of 10 tokens. a's 5-token image is in use while a's prompt is computed in
+    # chunks of 6; b's 6-token image does not fit beside it, so b's chunk stops before it.
+    s = make_scheduler(budget=6, prefix_caching=False, encoder_cache=10)
+    s.add_request(make_request("a", 8, images=[(2, 5, "a-img")]))
+    s.add_request(make_request("b", 12, images=[(1, 6, "b-img")], first_token=100))
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 6)]  # a-img (2..6) still in use
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 2), ("b", 1)]  # b: token 0 only
+    assert out.encoder_inputs == []
+    out = run_step(s)  # a-img is released now: b's image fits
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 5)]
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("b", 0)]
 
 
 def test_requests_that_can_never_fit_are_refused() -> None:
-    s = make_scheduler(num_blocks=4, block_size=4)
     import pytest
 
-    with pytest.raises(ValueError, match="needs 5 KV blocks.*4 in all"):
+    s = make_scheduler(num_blocks=4, block_size=4, encoder_cache=10)
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks \(17 prompt tokens \+ 1, 4 per block\).*4 in all"):
         s.add_request(make_request("big", 17))
+    with pytest.raises(ValueError, match="image of 12 tokens exceeds the encoder cache \\(10 tokens\\)"):
+        s.add_request(make_request("img", 14, images=[(1, 12, "h")]))
+    assert not s.requests
+
+
+def test_prefix_hit_skips_cached_tokens_and_their_images() -> None:
+    s = make_scheduler(budget=100)
+    s.add_request(make_request("a", 20, images=[(2, 8, "img")], max_tokens=1))
+    out = run_step(s)
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0)]
+    # Same prompt and picture: 4 full blocks (16 tokens) cached; the image (2..9) lies inside.
+    b = make_request("b", 20, images=[(2, 8, "img")], max_tokens=1)
+    s.add_request(b)
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 4)]
+    assert b.num_cached_tokens == 16
+    assert out.encoder_inputs == []
+    # Same text, another picture: only the first block (before the image) is reused.
+    c = make_request("c", 20, images=[(2, 8, "other")], max_tokens=1)
+    s.add_request(c)
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("c", 20)]  # block 0 holds tokens 2, 3 of the image
+    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("c", 0)]
+
+
+def test_preempted_request_resumes_from_its_cached_blocks() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 11, max_tokens=20), make_request("b", 11, max_tokens=20, first_token=100)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    run_step(s)
+    run_step(s)  # b preempted; its 3 full blocks stay cached
+    assert b.status == RequestStatus.PREEMPTED
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out = run_step(s)
+    # Only the block a took from b was evicted: b finds 2 of its blocks and recomputes 5 tokens.
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 5)]
+    assert b.num_cached_tokens == 8

@@ -214,7 +214,22 @@ def test_bad_input_is_named_and_the_llm_keeps_serving(llm: LLM, cases, reference
     assert out[0].outputs[0].token_ids == reference[0]
 
 
-def test_tight_memory_and_small_budget_change_nothing(tiny_dir: Path, cases, reference) -> None:  # type: ignore[no-untyped-def]
+def test_batch_of_sixteen_and_prefix_cache_hits_change_nothing(llm: LLM, cases, reference) -> None:  # type: ignore[no-untyped-def]
+    prompts = [{"prompt": t, "multi_modal_data": {"image": p}} if p else t for t, p in cases]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    outputs = llm.generate(prompts * 4, params)  # 16 requests in one batch
+    assert [o.outputs[0].token_ids for o in outputs] == reference * 4
+    # Run again: the prompts' full blocks (images included) now come from the prefix cache.
+    again = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == reference
+    for output in again:
+        block = llm.llm_engine.kv.block_size
+        assert output.num_cached_tokens == (len(output.prompt_token_ids) - 1) // block * block > 0
+    assert free_blocks_are_all_back(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_tight_memory_and_small_budget_change_nothing(tiny_dir: Path, cases, reference, prefix_caching: bool) -> None:  # type: ignore[no-untyped-def]
     """Prompts computed in small chunks (some ending inside an image) and a KV pool so small that
     requests are preempted and recomputed still give transformers' greedy tokens."""
     llm = LLM(

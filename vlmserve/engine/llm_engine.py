@@ -41,6 +41,9 @@ class EngineConfig:
     # KV cache size; None: room for max_num_seqs full-length sequences, capped at 4 GiB.
     kv_cache_memory_bytes: int | None = None
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    enable_prefix_caching: bool = True
+    # Encoder outputs held at once, in tokens; None: enough for a step's worth or the largest image.
+    encoder_cache_tokens: int | None = None
     media_limits: MediaLimits = field(default_factory=MediaLimits)
 
 
@@ -96,8 +99,15 @@ class LLMEngine:
         if budget is None:
             budget = min(4 * GiB, per_token * self.max_model_len * config.max_num_seqs)
         num_blocks = budget // (per_token * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
-        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        largest_image = min(self.processor.max_tokens_per_image(), self.max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_encoder_tokens_per_step=max(config.max_num_batched_tokens, largest_image),
+            encoder_cache_tokens=config.encoder_cache_tokens or max(config.max_num_batched_tokens, largest_image),
+        )
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,12 +124,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        needed = self.kv.blocks_needed(prompt.num_tokens + 1)
-        if needed > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"prompt of {prompt.num_tokens} tokens needs {needed} KV blocks; the KV cache holds "
-                f"{self.kv.pool.num_blocks} blocks of {self.kv.block_size} tokens"
-            )
+        self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
         num_image_tokens = [item.length for item in prompt.mm_items]
         child_ids = self.output_processor.add_request(
             request_id, prompt.prompt, prompt.prompt_token_ids, num_image_tokens, params
@@ -139,9 +144,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
+        sampled = self.runner.execute(step)
         if not step.scheduled:
             return []
-        sampled = self.runner.execute(step)
         updated = self.scheduler.update_from_output(step, sampled)
         outputs, stopped = self.output_processor.process(updated)
         for request_id in stopped:  # a stop string ended these: free them now

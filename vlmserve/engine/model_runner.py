@@ -43,6 +43,8 @@ class ModelRunner:
             items = [request.mm_items[i] for request, i in step.encoder_inputs]
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):  # type: ignore[operator]
                 self.encoder_cache[item.content_hash] = embeds
+        if not step.scheduled:
+            return {}
 
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []

@@ -27,6 +27,7 @@ class _Parent:
     prompt_token_ids: list[int]
     num_image_tokens: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -40,7 +41,13 @@ class _Parent:
             text = s.detokenizer.visible_text(o.finished())
             outputs.append(CompletionOutput(o.index, text, list(o.token_ids), o.finish_reason, o.stop_reason))
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, self.num_image_tokens
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            finished,
+            self.num_image_tokens,
+            self.num_cached_tokens,
         )
 
 
@@ -83,6 +90,7 @@ class OutputProcessor:
         touched: dict[str, _Parent] = {}
         for request in updated:
             sample = self.samples[request.request_id]
+            sample.parent.num_cached_tokens = max(sample.parent.num_cached_tokens, request.num_cached_tokens)
             new_tokens = request.output_token_ids[len(sample.output.token_ids) :]
             sample.output.token_ids.extend(new_tokens)
             finished = request.status.finished

@@ -46,6 +46,11 @@ class Request:
         self.output_token_ids: list[int] = []
         # All tokens whose K/V is in the cache; the scheduler advances it.
         self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when last admitted, and times preempted.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Prefix-cache hashes of the request's full blocks, filled in by the KV cache manager.
+        self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None

@@ -3,11 +3,15 @@
 There is no prefill or decode phase. Each request knows how many of its tokens are computed;
 each step hands out at most `max_num_batched_tokens` new tokens: running requests first (one
 token for a decoding request, a chunk for one still in its prompt), then waiting requests in
-arrival order. A prompt longer than the remaining budget is computed in chunks, and a chunk may
-end inside an image's placeholder tokens: that image is encoded once, when its first
-placeholder is scheduled, and its encoder output is kept until its last placeholder is computed.
+arrival order. A new request starts after the longest prefix the KV cache already holds.
+
+A chunk may end inside an image's placeholder tokens: the image is encoded when the first chunk
+holding any of its placeholders is scheduled, and its encoder output is kept until the last of
+them is computed. A chunk stops short of an image that cannot be encoded this step (the
+per-step encoder budget is spent, or the encoder cache is full of images in use).
+
 When the KV pool runs dry the newest running request is preempted: its blocks are freed and it
-is recomputed from scratch later, its generated tokens kept.
+is recomputed later (prompt and generated tokens, from whatever prefix is still cached).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from vlmserve.engine.encoder_cache import EncoderCacheManager
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import Request, RequestStatus
 
@@ -24,6 +29,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32768
+    # Encoder tokens (merged image embeddings) computed per step and held at once.
+    max_encoder_tokens_per_step: int = 8192
+    encoder_cache_tokens: int = 16384
 
 
 @dataclass
@@ -32,7 +40,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     # Images to encode this step: (request, index into request.mm_items).
     encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)
-    # Encoder outputs (by content hash) no request needs any more.
+    # Encoder outputs (by content hash) the runner may drop.
     free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
@@ -44,24 +52,31 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Encoder outputs held by the runner: content hash -> ids of requests that still need it.
-        self.encoder_refs: dict[str, set[str]] = {}
-        self._free_hashes: list[str] = []
 
     # -- admission and removal ------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, item_lengths: list[int]) -> None:
+        """Refuse, with the numbers, a request that could never be scheduled."""
+        needed = self.kv.blocks_needed(num_prompt_tokens + 1)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks ({num_prompt_tokens} prompt tokens + 1, {self.kv.block_size} "
+                f"per block), the cache has {self.kv.pool.num_blocks} in all"
+            )
+        largest = max(item_lengths, default=0)
+        if largest > self.encoder_cache.capacity:
+            raise ValueError(
+                f"an image of {largest} tokens exceeds the encoder cache ({self.encoder_cache.capacity} tokens)"
+            )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        needed = self.kv.blocks_needed(request.num_prompt_tokens + 1)
-        if needed > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks for its {request.num_prompt_tokens}-token prompt, "
-                f"the cache has {self.kv.pool.num_blocks} in all"
-            )
+        self.check_fits(request.num_prompt_tokens, [item.length for item in request.mm_items])
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -72,14 +87,14 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         request.status = status
         self._release(request)
 
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
-        self._drop_encoder_refs(request, upto=None)
+        self._release_encoder_outputs(request, upto=None)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
@@ -88,16 +103,22 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(free_encoder_hashes=self._free_hashes)
-        self._free_hashes = []
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-
+        encoder_budget = self.config.max_encoder_tokens_per_step
         preempted = False
+
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            start = request.num_computed_tokens
+            n, encoder_tokens = self._fit_encoder(
+                request, start, min(request.num_tokens - start, budget), encoder_budget
+            )
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request.request_id, start + n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 preempted = True
@@ -106,6 +127,7 @@ class Scheduler:
             else:
                 self._schedule(out, request, n)
                 budget -= n
+                encoder_budget -= encoder_tokens
                 i += 1
                 continue
             break  # the request itself was preempted
@@ -113,47 +135,66 @@ class Scheduler:
         # After a preemption the pool is known to be short: admit nobody new this step.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            prefix = self.kv.find_cached_prefix(request)
+            start = len(prefix) * self.kv.block_size
+            n, encoder_tokens = self._fit_encoder(
+                request, start, min(request.num_tokens - start, budget), encoder_budget
+            )
+            if n == 0 or not self.kv.allocate_slots(request.request_id, start + n, prefix):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = start
+            request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._schedule(out, request, n)
             budget -= n
+            encoder_budget -= encoder_tokens
+        out.free_encoder_hashes = self.encoder_cache.take_freed()
         return out
+
+    def _fit_encoder(self, request: Request, start: int, n: int, encoder_budget: int) -> tuple[int, int]:
+        """Shorten [start, start + n) to end before the first image that cannot be encoded
+        this step. Returns (tokens, encoder tokens this chunk would encode)."""
+        cache = self.encoder_cache
+        space = cache.free_space()
+        need = 0
+        counted: set[str] = set()
+        for item in request.mm_items:
+            if item.end <= start or item.offset >= start + n:
+                continue
+            if cache.has(item.content_hash) or item.content_hash in counted:
+                continue
+            first_this_step = encoder_budget == self.config.max_encoder_tokens_per_step and need == 0
+            if need + item.length > space or (need + item.length > encoder_budget and not first_this_step):
+                return max(0, item.offset - start), need
+            need += item.length
+            counted.add(item.content_hash)
+        return n, need
 
     def _schedule(self, out: SchedulerOutput, request: Request, n: int) -> None:
         out.scheduled.append((request, n))
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
         for index, item in enumerate(request.mm_items):
-            if item.offset < end and item.end > start:  # this chunk holds some of its placeholders
-                refs = self.encoder_refs.get(item.content_hash)
-                if refs is None:
-                    refs = self.encoder_refs[item.content_hash] = set()
-                    out.encoder_inputs.append((request, index))
-                refs.add(request.request_id)
+            # Acquire every image this chunk holds placeholders of; encode those not cached.
+            in_chunk = item.offset < end and item.end > start
+            if in_chunk and self.encoder_cache.acquire(item.content_hash, request.request_id, item.length):
+                out.encoder_inputs.append((request, index))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
-        self._drop_encoder_refs(request, upto=None)
+        self._release_encoder_outputs(request, upto=None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _drop_encoder_refs(self, request: Request, upto: int | None) -> None:
+    def _release_encoder_outputs(self, request: Request, upto: int | None) -> None:
         """Release the request's hold on encoder outputs of items that end at or before `upto`
         (all items if None)."""
         for item in request.mm_items:
-            if upto is not None and item.end > upto:
-                continue
-            refs = self.encoder_refs.get(item.content_hash)
-            if refs is None or request.request_id not in refs:
-                continue
-            refs.discard(request.request_id)
-            if not refs:
-                del self.encoder_refs[item.content_hash]
-                self._free_hashes.append(item.content_hash)
+            if upto is None or item.end <= upto:
+                self.encoder_cache.release(item.content_hash, request.request_id)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, retire finished requests. Returns the
@@ -163,7 +204,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
-            self._drop_encoder_refs(request, upto=request.num_computed_tokens)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            self._release_encoder_outputs(request, upto=request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end of the prompt

@@ -41,6 +41,7 @@ class LLM:
         kv_cache_memory_gib: float | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         allowed_local_media_path: str | Path | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -57,6 +58,7 @@ class LLM:
             block_size=block_size,
             kv_cache_memory_bytes=None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * (1 << 30)),
             limit_mm_per_prompt=limit_mm_per_prompt or {"image": 8},
+            enable_prefix_caching=enable_prefix_caching,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),

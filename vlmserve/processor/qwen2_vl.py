@@ -50,6 +50,11 @@ class Qwen2VLProcessor:
         if image_config.merge_size != self.merge_size or image_config.patch_size != config.vision.patch_size:
             raise ValueError("preprocessor_config.json and config.json disagree on patch_size or merge_size")
 
+    def max_tokens_per_image(self) -> int:
+        """Placeholder tokens of the largest image the checkpoint's max_pixels admits."""
+        cfg = self.image_config
+        return cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
+
     def process(self, prompt: str | list[int], images: list[ImageInput]) -> ProcessedPrompt:
         """`prompt` holds one <|image_pad|> per image (inside <|vision_start|>...<|vision_end|>,
         as the chat template writes it); each is expanded to the image's token count."""
