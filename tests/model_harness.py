@@ -23,7 +23,8 @@ class Harness:
         config = ModelConfig.from_file(model_dir / "config.json")
         self.model = build_model(config, model_dir, select_backend(torch.device("cpu")), torch.device("cpu"), dtype)
         self.kv = KVCacheManager(num_blocks, block_size=16)
-        self.runner = ModelRunner(self.model, self.kv, torch.device("cpu"), dtype)
+        self.runner = ModelRunner(self.model, torch.device("cpu"), dtype)
+        self.runner.bind_kv_cache(self.kv)
 
     @torch.inference_mode()
     def logits(self, prompt: ProcessedPrompt, chunks: list[int] | None = None, extra: list[int] = ()) -> torch.Tensor:

@@ -187,12 +187,16 @@ def test_bad_input_is_named_and_the_llm_keeps_serving(llm: LLM, cases, reference
             {"prompt": text, "multi_modal_data": {"image": "/missing/cat.png"}},
             r"prompts\[1\].multi_modal_data.image\[0\]: file not found",
         ),
+        (
+            {"prompt": text, "multi_modal_data": {"image": Image.new("RGB", (2000, 2000))}},
+            r"image\[0\]: the image needs 5041 tokens, at most 4095 per image",
+        ),
         ({"prompt": text, "multi_modal_data": {"image": str(junk)}}, r"image\[0\]: cannot decode image"),
         ({"prompt": text, "multi_modal_data": {"image": "ftp://host/cat.png"}}, "unsupported URL scheme 'ftp'"),
         ({"prompt": PAD * 4, "multi_modal_data": {"image": pictures * 4}}, "too many images: 4 given, at most 3"),
         (
-            {"prompt": text, "multi_modal_data": {"image": Image.new("RGB", (2000, 2000))}},
-            r"prompt needs \d+ tokens .* max_model_len=4096",
+            {"prompt": text + "more words " * 100, "multi_modal_data": {"image": Image.new("RGB", (1800, 1700))}},
+            r"prompt needs 4\d\d\d tokens \(\d+ text \+ 3904 image\).*max_model_len=4096",
         ),
         ({"prompt": text, "multi_modal_data": {"audio": b"x"}}, "unsupported modality"),
     ]

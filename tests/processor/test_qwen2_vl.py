@@ -146,8 +146,10 @@ def test_errors_name_what_is_wrong(tiny_dir: Path, images) -> None:  # type: ign
         processor.process(pad, [ImageInput(images["small"]), ImageInput(images["small"])])
     with pytest.raises(ValueError, match="too many images: 3 given, at most 2"):
         processor.process(pad * 3, [ImageInput(images["small"])] * 3)
-    with pytest.raises(ValueError, match=r"prompt needs 156 tokens \(2 text \+ 154 image\).*max_model_len=64"):
-        processor.process(pad, [ImageInput(Image.new("RGB", (400, 300)))])
+    with pytest.raises(ValueError, match=r"prompt needs 100 tokens \(4 text \+ 96 image\).*max_model_len=64"):
+        processor.process(pad * 2, [ImageInput(Image.new("RGB", (224, 168)))] * 2)  # 8 x 6 merged each
+    with pytest.raises(MediaError, match=r"big: the image needs 154 tokens, at most 63 per image"):
+        processor.process(pad, [ImageInput(Image.new("RGB", (400, 300)), label="big")])
     with pytest.raises(ValueError, match="video input is not supported"):
         processor.process("<|vision_start|><|video_pad|><|vision_end|>", [])
     with pytest.raises(MediaError, match="^cat picture: file not found"):

@@ -28,12 +28,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+def select_backend(device: torch.device, name: str = "auto", decode_workspace_tokens: int = 32768) -> AttentionBackend:
     """Called once when the engine is built. Only the torch backend exists so far; it runs on
     every device."""
     if name not in ("auto", "torch"):
         raise ValueError(f"unknown attention backend {name!r}; available: torch")
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(decode_workspace_tokens)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "select_backend"]

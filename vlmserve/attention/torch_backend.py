@@ -14,6 +14,12 @@ from vlmserve.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, decode_workspace_tokens: int = 32768) -> None:
+        # Batched decode gathers each sequence's KV padded to the longest in its group; groups
+        # are cut so that (sequences x longest) stays within this many tokens, which bounds the
+        # step's transient memory (the memory planner's profile run covers exactly this).
+        self.decode_workspace_tokens = decode_workspace_tokens
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store the step's keys and values at their slots. kv_cache is
         [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -45,8 +51,13 @@ class TorchAttentionBackend:
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
             out[start:end] = self._sdpa(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
-        if decode_rows:
-            self._batched_decode(q, kv_cache, meta, decode_rows, scale, out)
+        # Longest first, so each group is padded to its own first (longest) sequence.
+        decode_rows.sort(key=lambda i: -meta.seq_lens_host[i])
+        while decode_rows:
+            longest = meta.seq_lens_host[decode_rows[0]]
+            take = max(1, self.decode_workspace_tokens // longest)
+            self._batched_decode(q, kv_cache, meta, decode_rows[:take], scale, out)
+            decode_rows = decode_rows[take:]
         return out
 
     @staticmethod
@@ -73,16 +84,18 @@ class TorchAttentionBackend:
             causal = False
             rows = torch.arange(q_len, device=q.device)[:, None] + causal_offset
             mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+        # NOTE: 4-D inputs: torch's CPU flash kernel takes only those; 3-D ones fall back to the
+        # math path, which materialises the [heads, q_len, kv_len] scores (6x slower, O(n^2) memory).
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=causal,
             scale=scale,
             enable_gqa=q.shape[1] != keys.shape[1],
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _batched_decode(
         self,
@@ -123,8 +136,11 @@ class TorchAttentionBackend:
         (the vision tower: one segment per image frame). q, k, v: [num_tokens, num_heads, head_dim]."""
         out = torch.empty_like(q)
         for start, end in itertools.pairwise(cu_seqlens):
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), scale=scale
+            o = F.scaled_dot_product_attention(  # 4-D: see _sdpa
+                q[None, start:end].transpose(1, 2),
+                k[None, start:end].transpose(1, 2),
+                v[None, start:end].transpose(1, 2),
+                scale=scale,
             )
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)
         return out

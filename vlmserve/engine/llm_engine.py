@@ -3,6 +3,7 @@ and advances every request by one step at a time."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch
 from vlmserve.attention import select_backend
 from vlmserve.config import ModelConfig, parse_dtype
 from vlmserve.engine.kv_cache import KVCacheManager
-from vlmserve.engine.model_runner import ModelRunner, kv_bytes_per_token
+from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
+from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -25,7 +27,7 @@ from vlmserve.processor.qwen2_vl import ProcessorLimits, Qwen2VLProcessor
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import Tokenizer
 
-GiB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     block_size: int = 16
-    # KV cache size; None: room for max_num_seqs full-length sequences, capped at 4 GiB.
+    # Memory the engine may use in all (weights, activations, encoder cache, KV cache);
+    # None: 90% of a CUDA device, half the available RAM on the CPU.
+    memory_budget_bytes: int | None = None
+    # A fixed KV cache size instead of planning one from the budget (skips the profile run).
     kv_cache_memory_bytes: int | None = None
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    # Engine-wide overrides of preprocessor_config.json (min_pixels, max_pixels).
+    mm_processor_kwargs: dict[str, int] = field(default_factory=dict)
     enable_prefix_caching: bool = True
     # Encoder outputs held at once, in tokens; None: enough for a step's worth or the largest image.
     encoder_cache_tokens: int | None = None
@@ -82,25 +89,25 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         if not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in 2..{limit} (max_position_embeddings), got {self.max_model_len}")
+        unknown = set(config.mm_processor_kwargs) - {"min_pixels", "max_pixels"}
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: unknown keys {sorted(unknown)}; supported: min_pixels, max_pixels")
+        preprocessor = read_json(self.model_dir / "preprocessor_config.json") | dict(config.mm_processor_kwargs)
         self.processor = Qwen2VLProcessor(
             self.model_config,
             self.tokenizer,
-            ImageProcessorConfig.from_dict(read_json(self.model_dir / "preprocessor_config.json")),
+            ImageProcessorConfig.from_dict(preprocessor),
             ProcessorLimits(self.max_model_len, dict(config.limit_mm_per_prompt)),
             config.media_limits,
         )
         eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
-        backend = select_backend(self.device)
+        # The batched-decode workspace bounds a step's transient memory; the plan measures it.
+        backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
         self.model = build_model(self.model_config, self.model_dir, backend, self.device, self.dtype)
-        per_token = kv_bytes_per_token(self.model, self.dtype)
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
-            budget = min(4 * GiB, per_token * self.max_model_len * config.max_num_seqs)
-        num_blocks = budget // (per_token * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        largest_image = min(self.processor.max_tokens_per_image(), self.max_model_len)
+        self.runner = ModelRunner(self.model, self.device, self.dtype)
+        largest_image = self.processor.max_tokens_per_item()["image"]
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -108,9 +115,46 @@ class LLMEngine:
             max_encoder_tokens_per_step=max(config.max_num_batched_tokens, largest_image),
             encoder_cache_tokens=config.encoder_cache_tokens or max(config.max_num_batched_tokens, largest_image),
         )
+        self.memory_plan = self._plan_memory(scheduler_config, largest_image)
+        logger.info(self.memory_plan.describe())
+        self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _plan_memory(self, sched: SchedulerConfig, largest_image: int) -> MemoryPlan:
+        config = self.config
+        block_bytes = self.runner.kv_bytes_per_token * config.block_size
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        dtype_size = torch.empty((), dtype=self.dtype).element_size()
+        encoder_cache = sched.encoder_cache_tokens * self.model_config.text.hidden_size * dtype_size
+        per_seq = -(-self.max_model_len // config.block_size)
+        if config.kv_cache_memory_bytes is not None:
+            fixed = config.kv_cache_memory_bytes // block_bytes
+            if fixed < 1:
+                raise ValueError(
+                    f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
+                )
+            budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
+        else:
+            count = max(1, sched.max_encoder_tokens_per_step // largest_image)
+            dummy = self.processor.dummy_items(count, largest_image)
+            activations = self.runner.profile_run(
+                dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
+            )
+            budget = config.memory_budget_bytes or default_budget(self.device)
+            min_blocks, profiled = per_seq, True
+        return plan_kv_cache(
+            budget_bytes=budget,
+            weights_bytes=weights,
+            activation_bytes=activations,
+            encoder_cache_bytes=encoder_cache,
+            block_bytes=block_bytes,
+            block_size=config.block_size,
+            min_blocks=min_blocks,
+            max_useful_blocks=per_seq * config.max_num_seqs,
+            profiled=profiled,
+        )
 
     def default_sampling_params(self) -> SamplingParams:
         """Sampling defaults from generation_config.json, as vLLM applies them."""

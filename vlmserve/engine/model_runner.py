@@ -1,6 +1,6 @@
 """Runs one scheduled step: encodes the images the step needs, builds the flat batch and its
 attention metadata, runs the model and samples the requests whose known tokens are all
-computed."""
+computed. Also runs the memory planner's worst-case profile step."""
 
 from __future__ import annotations
 
@@ -10,33 +10,43 @@ from torch import nn
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.sampler import Sampler
 from vlmserve.engine.scheduler import SchedulerOutput
-
-
-def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    return sum(2 * m.num_kv_heads * m.head_dim for m in layers) * torch.empty((), dtype=dtype).element_size()
+from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.sampling_params import SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCacheManager, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
-        self.kv = kv
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
+        self.kv: KVCacheManager | None = None
         # Encoder outputs by content hash; the scheduler says when each may go.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        for layer in self.attention_layers:
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        per_layer = [2 * m.num_kv_heads * m.head_dim for m in self.attention_layers]
+        return sum(per_layer) * torch.empty((), dtype=self.dtype).element_size()
+
+    def bind_kv_cache(self, kv: KVCacheManager, layers: list[PagedAttention] | None = None) -> None:
+        self.kv = kv
+        for layer in self.attention_layers if layers is None else layers:
             # Zeroed so padded reads in batched decode see finite values (masked away anyway).
             layer.kv_cache = torch.zeros(
-                2, kv.pool.num_blocks, kv.block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device
-            )
+                2, kv.pool.num_blocks, kv.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype,
+                device=self.device,
+            )  # fmt: skip
+
+    # -- a step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
+        assert self.kv is not None, "bind_kv_cache() before the first step"
         for content_hash in step.free_encoder_hashes:
             self.encoder_cache.pop(content_hash, None)
         if step.encoder_inputs:
@@ -73,7 +83,7 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
                 sampled_requests.append(request)
 
-        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows)
+        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.kv.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs_embeds = self.model.get_input_embeddings(input_ids)  # type: ignore[operator]
         for row, embeds in mm_spans:
@@ -86,7 +96,12 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
 
     def _metadata(
-        self, slots: list[int], query_start_loc: list[int], seq_lens: list[int], block_rows: list[list[int]]
+        self,
+        slots: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[int]],
+        block_size: int,
     ) -> AttentionMetadata:
         width = max(len(row) for row in block_rows)
         block_tables = torch.zeros(len(block_rows), width, dtype=torch.long)
@@ -98,5 +113,58 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=self.device),
             query_start_loc=query_start_loc,
             seq_lens_host=seq_lens,
-            block_size=self.kv.block_size,
+            block_size=block_size,
         )
+
+    # -- the memory planner's worst case --------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(
+        self, dummy_items: list[MultiModalItem], num_tokens: int, max_model_len: int, num_seqs: int, block_size: int
+    ) -> int:
+        """Peak activation bytes of the worst step the limits admit: encode `dummy_items`, compute
+        `num_tokens` new tokens at the end of a max_model_len context, decode `num_seqs` sequences
+        of max_model_len, and sample `num_seqs` rows. Uses a scratch KV cache of max_model_len
+        tokens (not counted)."""
+        scratch = KVCacheManager(-(-max_model_len // block_size), block_size, enable_prefix_caching=False)
+        blocks = list(range(scratch.pool.num_blocks))
+        hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]  # type: ignore[operator]
+        greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
+        meter = PeakMeter(self.device)
+        with one_block_per_stack(self.model):
+            self.bind_kv_cache(scratch, [m for m in self.model.modules() if isinstance(m, PagedAttention)])
+            baseline = meter.current()
+            meter.reset()
+            if dummy_items:
+                self.model.embed_multimodal(dummy_items)  # type: ignore[operator]
+            # A prompt chunk at the end of the longest context.
+            q = min(num_tokens, max_model_len)
+            meta = self._metadata(
+                list(range(max_model_len - q, max_model_len)), [0, q], [max_model_len], [blocks], block_size
+            )
+            embeds = torch.randn(q, hidden_size, dtype=self.dtype, device=self.device)
+            positions = torch.arange(max_model_len - q, max_model_len, device=self.device).expand(3, -1)
+            hidden = self.model(None, positions, meta, embeds)
+            rows = min(num_seqs, q)
+            self._profile_sample(hidden[-rows:], rows, greedy_and_sampled)
+            del hidden, embeds
+            # Every sequence decoding at full length (block tables may alias: reads only).
+            meta = self._metadata(
+                [max_model_len - 1] * num_seqs, list(range(num_seqs + 1)), [max_model_len] * num_seqs,
+                [blocks] * num_seqs, block_size,
+            )  # fmt: skip
+            embeds = torch.randn(num_seqs, hidden_size, dtype=self.dtype, device=self.device)
+            positions = torch.full((3, num_seqs), max_model_len - 1, device=self.device)
+            hidden = self.model(None, positions, meta, embeds)
+            self._profile_sample(hidden, num_seqs, greedy_and_sampled)
+            del hidden, embeds
+        peak = meter.peak()
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv = None
+        return max(0, peak - baseline)
+
+    def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams]) -> None:
+        logits = self.model.compute_logits(hidden).float()  # type: ignore[operator]
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+        self.sampler(logits, params, [None] * rows)

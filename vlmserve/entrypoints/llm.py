@@ -38,10 +38,12 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 8192,
         block_size: int = 16,
+        memory_budget_gib: float | None = None,
         kv_cache_memory_gib: float | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         allowed_local_media_path: str | Path | None = None,
         enable_prefix_caching: bool = True,
+        mm_processor_kwargs: dict[str, int] | None = None,
     ) -> None:
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -56,7 +58,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
+            memory_budget_bytes=None if memory_budget_gib is None else int(memory_budget_gib * (1 << 30)),
             kv_cache_memory_bytes=None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * (1 << 30)),
+            mm_processor_kwargs=dict(mm_processor_kwargs or {}),
             limit_mm_per_prompt=limit_mm_per_prompt or {"image": 8},
             enable_prefix_caching=enable_prefix_caching,
             media_limits=MediaLimits(

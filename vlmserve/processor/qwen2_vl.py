@@ -50,10 +50,42 @@ class Qwen2VLProcessor:
         if image_config.merge_size != self.merge_size or image_config.patch_size != config.vision.patch_size:
             raise ValueError("preprocessor_config.json and config.json disagree on patch_size or merge_size")
 
-    def max_tokens_per_image(self) -> int:
-        """Placeholder tokens of the largest image the checkpoint's max_pixels admits."""
+    # -- what the memory planner needs (seed 003's processing info and dummy inputs) -----------
+
+    def max_items_per_prompt(self) -> dict[str, int]:
+        return {"image": self.limits.limit_mm_per_prompt.get("image", 0)}
+
+    def max_tokens_per_item(self) -> dict[str, int]:
+        """Placeholder tokens of the largest image admitted: what max_pixels allows, and at
+        most a prompt's worth."""
         cfg = self.image_config
-        return cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
+        by_pixels = cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
+        return {"image": max(1, min(by_pixels, self.limits.max_model_len - 1))}
+
+    def dummy_items(self, count: int, tokens_per_item: int) -> list[MultiModalItem]:
+        """`count` images of the most placeholder tokens up to `tokens_per_item`, with random
+        patches: worst-case encoder inputs for profiling."""
+        # The merged grid (a x b) with the most cells a * b <= tokens_per_item, aspect <= 200.
+        best = max(
+            ((a, tokens_per_item // a) for a in range(1, int(tokens_per_item**0.5) + 1)),
+            key=lambda ab: (ab[0] * ab[1], ab[0]) if ab[1] <= 200 * ab[0] else (0, 0),
+        )
+        m = self.merge_size
+        grid = (1, best[0] * m, best[1] * m)
+        patch_dim = self.config.vision.patch_dim
+        return [
+            MultiModalItem(
+                modality="image",
+                offset=0,
+                length=best[0] * best[1],
+                grid_thw=grid,
+                content_hash=f"dummy-{k}",
+                pixel_values=torch.randn(grid[1] * grid[2], patch_dim),
+                original_size=(grid[2] * self.image_config.patch_size, grid[1] * self.image_config.patch_size),
+                resized_size=(grid[2] * self.image_config.patch_size, grid[1] * self.image_config.patch_size),
+            )
+            for k in range(count)
+        ]
 
     def process(self, prompt: str | list[int], images: list[ImageInput]) -> ProcessedPrompt:
         """`prompt` holds one <|image_pad|> per image (inside <|vision_start|>...<|vision_end|>,
@@ -84,6 +116,13 @@ class Qwen2VLProcessor:
             counts.append(
                 (h // self.image_config.patch_size) * (w // self.image_config.patch_size) // self.merge_size**2
             )
+        max_per_image = self.max_tokens_per_item()["image"]
+        for image, count in zip(images, counts, strict=True):
+            if count > max_per_image:
+                raise MediaError(
+                    f"{image.label}: the image needs {count} tokens, at most {max_per_image} per image are admitted "
+                    f"(max_pixels={self.image_config.max_pixels}, max_model_len={self.limits.max_model_len})"
+                )
         num_tokens = len(token_ids) - num_pads + sum(counts)
         if num_tokens >= self.limits.max_model_len:
             raise ValueError(

@@ -1,0 +1,164 @@
+"""Memory planning (seed 003): size the KV cache from what a memory budget leaves after the
+weights, the encoder cache, and the peak activation memory of a worst-case step.
+
+The worst case is measured, not estimated: the model runs dummy inputs of the largest size the
+configuration admits (images of the most placeholder tokens per item, a full token budget of
+prompt at the end of a max_model_len context, max_num_seqs sequences decoding at full length)
+while a meter records peak memory. Everything a real step can do is bounded by those same
+limits (the scheduler's budgets, the processor's per-item cap, the attention backend's decode
+workspace), so a request that fits the plan cannot run the process out of memory later; one
+that cannot fit is refused when submitted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+GiB = 1 << 30
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMeter:
+    """Peak memory of this process on one device, resettable."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError):  # Linux: "5" resets VmHWM to the current RSS
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        rss = _proc_status_kib("VmRSS")
+        return (rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        hwm = _proc_status_kib("VmHWM")
+        return (hwm or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def default_budget(device: torch.device) -> int:
+    """CUDA: 90% of the device. CPU: half of the memory available when the engine starts."""
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+@contextlib.contextmanager
+def one_block_per_stack(model: nn.Module) -> Iterator[None]:
+    """Run the model with each layer stack cut to its first layer.
+
+    In inference the activations of one layer are freed before the next runs, so a stack's peak
+    is one layer's peak: profiling one layer of each stack measures the same peak in a fraction
+    of the time (the difference is a layer's worth of small temporaries at most)."""
+    stacks = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.ModuleList) and len(child) > 1
+    ]
+    for parent, name, child in stacks:
+        setattr(parent, name, nn.ModuleList([child[0]]))
+    try:
+        yield
+    finally:
+        for parent, name, child in stacks:
+            setattr(parent, name, child)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int  # measured peak of the worst-case step (0 when not profiled)
+    encoder_cache_bytes: int
+    block_bytes: int  # one KV block, all layers
+    num_blocks: int
+    block_size: int
+    capped: bool  # KV limited to what max_num_seqs full-length sequences can use
+    profiled: bool
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        def g(n: int) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        source = "measured worst-case step" if self.profiled else "not profiled (KV size given)"
+        cap = ", capped at max_num_seqs x max_model_len" if self.capped else ""
+        return (
+            f"memory plan: budget {g(self.budget_bytes)}; weights {g(self.weights_bytes)}, activations "
+            f"{g(self.activation_bytes)} ({source}), encoder cache {g(self.encoder_cache_bytes)}, KV cache "
+            f"{g(self.kv_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_blocks * self.block_size} tokens{cap}"
+        )
+
+
+def plan_kv_cache(
+    *,
+    budget_bytes: int,
+    weights_bytes: int,
+    activation_bytes: int,
+    encoder_cache_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    min_blocks: int,
+    max_useful_blocks: int,
+    profiled: bool = True,
+) -> MemoryPlan:
+    """Blocks that fit what the budget leaves; at least enough for one full-length sequence."""
+    left = budget_bytes - weights_bytes - activation_bytes - encoder_cache_bytes
+    fit = max(0, left) // block_bytes
+    if fit < min_blocks:
+        raise ValueError(
+            f"memory budget of {budget_bytes / GiB:.2f} GiB is too small: weights {weights_bytes / GiB:.2f} GiB + "
+            f"peak activations {activation_bytes / GiB:.2f} GiB + encoder cache {encoder_cache_bytes / GiB:.2f} GiB "
+            f"leave {max(0, left) / GiB:.2f} GiB for the KV cache, which needs at least {min_blocks} blocks "
+            f"({min_blocks * block_bytes / GiB:.2f} GiB) to hold one max_model_len sequence; raise the budget or "
+            "lower max_model_len, max_num_batched_tokens or max_pixels"
+        )
+    num_blocks = min(fit, max_useful_blocks)
+    return MemoryPlan(
+        budget_bytes=budget_bytes,
+        weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes,
+        encoder_cache_bytes=encoder_cache_bytes,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        capped=num_blocks < fit,
+        profiled=profiled,
+    )
