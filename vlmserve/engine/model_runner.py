@@ -5,7 +5,6 @@ computed. Also runs the memory planner's worst-case profile step."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
@@ -13,12 +12,13 @@ from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.sampler import Sampler
 from vlmserve.engine.scheduler import SchedulerOutput
+from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: VLModel, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -51,7 +51,7 @@ class ModelRunner:
             self.encoder_cache.pop(content_hash, None)
         if step.encoder_inputs:
             items = [request.mm_items[i] for request, i in step.encoder_inputs]
-            for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):  # type: ignore[operator]
+            for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):
                 self.encoder_cache[item.content_hash] = embeds
         if not step.scheduled:
             return {}
@@ -85,13 +85,13 @@ class ModelRunner:
 
         meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.kv.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        inputs_embeds = self.model.get_input_embeddings(input_ids)  # type: ignore[operator]
+        inputs_embeds = self.model.get_input_embeddings(input_ids)
         for row, embeds in mm_spans:
             inputs_embeds[row : row + embeds.shape[0]] = embeds.to(inputs_embeds.dtype)
         hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds)
         if not sampled_requests:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows]).float()  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
         tokens = self.sampler(logits, [r.params for r in sampled_requests], [r.generator for r in sampled_requests])
         return {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
 
@@ -128,7 +128,7 @@ class ModelRunner:
         tokens (not counted)."""
         scratch = KVCacheManager(-(-max_model_len // block_size), block_size, enable_prefix_caching=False)
         blocks = list(range(scratch.pool.num_blocks))
-        hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]  # type: ignore[operator]
+        hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
         greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
         meter = PeakMeter(self.device)
         with one_block_per_stack(self.model):
@@ -136,7 +136,7 @@ class ModelRunner:
             baseline = meter.current()
             meter.reset()
             if dummy_items:
-                self.model.embed_multimodal(dummy_items)  # type: ignore[operator]
+                self.model.embed_multimodal(dummy_items)
             # A prompt chunk at the end of the longest context.
             q = min(num_tokens, max_model_len)
             meta = self._metadata(
@@ -165,6 +165,6 @@ class ModelRunner:
         return max(0, peak - baseline)
 
     def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams]) -> None:
-        logits = self.model.compute_logits(hidden).float()  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden).float()
         params = [kinds[i % len(kinds)] for i in range(rows)]
         self.sampler(logits, params, [None] * rows)

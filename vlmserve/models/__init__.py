@@ -8,14 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import ModelConfig
+from vlmserve.kernels import select_linear_op
 from vlmserve.model_files import iterate_weights
+from vlmserve.models.base import VLModel
+from vlmserve.models.layers import bind_linear_op
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[VLModel]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
@@ -32,7 +34,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_model(
     config: ModelConfig, model_dir: Path, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
-) -> nn.Module:
+) -> VLModel:
     if config.architecture not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
     # Built on the meta device so no memory is spent on random initialisation, then allocated
@@ -40,7 +42,9 @@ def build_model(
     with torch.device("meta"), _default_dtype(dtype):
         model = MODEL_REGISTRY[config.architecture](config, backend)  # type: ignore[call-arg]
     model = model.to_empty(device=device)
-    model.load_weights(iterate_weights(model_dir))  # type: ignore[operator]
+    model.tie_weights()
+    model.load_weights(iterate_weights(model_dir))
+    bind_linear_op(model, select_linear_op(device, dtype))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -3,9 +3,29 @@ implementations so that bfloat16 runs round where they round."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matrix product is chosen when the engine is built (bind_linear_op):
+    torch's by default, a faster kernel where one exists for the device and dtype."""
+
+    op: LinearOp = staticmethod(F.linear)  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, self.bias)
+
+
+def bind_linear_op(model: nn.Module, op: LinearOp) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.op = op
 
 
 class RMSNorm(nn.Module):

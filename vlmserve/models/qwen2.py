@@ -10,7 +10,7 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
-from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary
 
 
 class MRotaryEmbedding:
@@ -46,8 +46,8 @@ class Qwen2Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one matmul; loaded from q_proj / k_proj / v_proj.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,8 +64,8 @@ class Qwen2MLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Qwen2 MLP expects hidden_act 'silu', config has {config.hidden_act!r}")
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

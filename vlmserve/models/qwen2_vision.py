@@ -8,7 +8,7 @@ from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
-from vlmserve.models.layers import get_activation, rotate_half
+from vlmserve.models.layers import Linear, get_activation, rotate_half
 
 
 def vision_rotary_positions(grid_thw: list[tuple[int, int, int]], merge_size: int) -> torch.Tensor:
@@ -55,8 +55,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -72,8 +72,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc1 = Linear(dim, hidden_dim)
+        self.fc2 = Linear(hidden_dim, dim)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +101,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = context_dim * merge_size**2
         self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -114,7 +114,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(config.patch_dim, config.embed_dim, bias=False)
+        self.proj = Linear(config.patch_dim, config.embed_dim, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values.to(self.proj.weight.dtype))

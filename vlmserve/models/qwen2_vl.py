@@ -6,29 +6,38 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import ModelConfig
+from vlmserve.models.base import VLModel
+from vlmserve.models.layers import Linear
 from vlmserve.models.loader import WeightTable, load_weights
 from vlmserve.models.qwen2 import Qwen2Model
 from vlmserve.models.qwen2_vision import Qwen2VisionTransformer
 from vlmserve.multimodal.inputs import MultiModalItem
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VLModel):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         self.visual = Qwen2VisionTransformer(config.vision, backend)
         self.model = Qwen2Model(config.text, backend)
-        self.lm_head = (
+        # Tied checkpoints get their lm_head in tie_weights(), once the embedding is allocated.
+        self.lm_head: Linear | None = (
             None
             if config.text.tie_word_embeddings
-            else nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+            else Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         )
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix as lm_head (called after the weights are allocated:
+        sharing set up on the meta device would not survive allocation)."""
+        if self.config.text.tie_word_embeddings:
+            embed = self.model.embed_tokens.weight
+            self.lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+            self.lm_head.weight = embed
 
     # -- the model protocol -------------------------------------------------------------------
 
@@ -59,8 +68,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.model(inputs_embeds, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        assert self.lm_head is not None, "tie_weights() runs when the model is built"
+        return self.lm_head(hidden)
 
     # -- weights --------------------------------------------------------------------------------
 
