@@ -53,13 +53,16 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from vlmserve.tools.tiny_checkpoint import TinySpec, write_tiny_qwen2_vl
+    import dataclasses
 
-    spec = TinySpec(tie_word_embeddings=not args.untied)
+    from vlmserve.tools.tiny_checkpoint import BENCH_SPEC, TinySpec, write_tiny_qwen2_vl
+
+    base = BENCH_SPEC if args.preset == "bench" else TinySpec()
+    spec = dataclasses.replace(base, tie_word_embeddings=not args.untied)
     out = write_tiny_qwen2_vl(
         args.out_dir, spec, seed=args.seed, nested_config=args.nested_config, num_shards=args.shards
     )
-    print(f"wrote a tiny random-weight Qwen2-VL checkpoint to {out}")
+    print(f"wrote a {args.preset} random-weight Qwen2-VL checkpoint to {out}")
     return 0
 
 
@@ -94,6 +97,12 @@ def _make_tiny_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")
     tiny.add_argument("--untied", action="store_true", help="separate lm_head weights")
     tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards (with an index)")
+    tiny.add_argument(
+        "--preset",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="bench: Qwen2-VL-2B's language-model width with 4 layers and a narrow vision tower",
+    )
     tiny.set_defaults(func=_make_tiny)
     return tiny
 
@@ -103,6 +112,10 @@ COMMANDS = {"chat": _chat_parser, "make-tiny": _make_tiny_parser}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from vlmserve.bench.main import main as bench_main
+
+        return bench_main(argv[1:])
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -72,6 +72,21 @@ class TinySpec:
     dtype: str = "bfloat16"
 
 
+# The benchmark checkpoint: Qwen2-VL-2B's language-model width (hidden 1536, MLP 8960, 12 query /
+# 2 KV heads, the full 151936-row vocabulary) with 4 of its 28 layers, and a narrow vision tower.
+BENCH_SPEC = TinySpec(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    mrope_section=(16, 24, 24),
+    vision_depth=4,
+    vision_embed_dim=320,
+    vision_num_heads=5,
+)
+
+
 def _config(spec: TinySpec, nested: bool) -> dict[str, object]:
     text = {
         "hidden_act": "silu",
@@ -303,12 +318,22 @@ def write_tiny_qwen2_vl(
 
 
 DEFAULT_CHECKPOINT_NAME = "tiny-qwen2-vl-v1"
+BENCH_CHECKPOINT_NAME = "bench-qwen2-vl-v1"
+
+
+def _cached_checkpoint(name: str, spec: TinySpec) -> Path:
+    cache = Path(os.environ.get("VLMSERVE_CACHE", Path.home() / ".cache" / "vlmserve"))
+    path = cache / name
+    if not (path / "vlmserve_tiny.json").is_file():
+        write_tiny_qwen2_vl(path, spec)
+    return path
 
 
 def default_checkpoint_dir() -> Path:
     """The embedded default model: a tiny random Qwen2-VL written on first use."""
-    cache = Path(os.environ.get("VLMSERVE_CACHE", Path.home() / ".cache" / "vlmserve"))
-    path = cache / DEFAULT_CHECKPOINT_NAME
-    if not (path / "vlmserve_tiny.json").is_file():
-        write_tiny_qwen2_vl(path)
-    return path
+    return _cached_checkpoint(DEFAULT_CHECKPOINT_NAME, TinySpec())
+
+
+def bench_checkpoint_dir() -> Path:
+    """The benchmark-size random Qwen2-VL (BENCH_SPEC), written on first use."""
+    return _cached_checkpoint(BENCH_CHECKPOINT_NAME, BENCH_SPEC)

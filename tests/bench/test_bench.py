@@ -1,0 +1,34 @@
+"""`vlmserve bench` end to end at toy sizes: both engines run the same requests, every request
+produces exactly its output length, and the report files are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlmserve.bench.main import main
+
+
+def test_bench_runs_both_engines_and_writes_reports(tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    main([
+        str(tiny_dir), "--dtype", "float32", "--num-requests", "4", "--image-size", "56", "--input-len", "6",
+        "--output-len", "3", "7", "--single-output-len", "5", "--hf-batch-sizes", "1", "2", "--concurrency", "1", "3",
+        "--sweep-requests", "3", "--sweep-output-len", "2", "3", "--image-sizes", "56", "84", "--sweep-hf",
+        "--threads", "2", "--out", str(out),
+    ])  # fmt: skip
+    report = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 10_000
+    ours = report["results"]["vlmserve"]["workload"]
+    theirs = report["results"]["transformers"]["workload"]
+    lengths = [r["output_tokens"] for r in ours["requests"]]
+    assert lengths == [r["output_tokens"] for r in theirs["requests"]]
+    assert all(3 <= n <= 7 for n in lengths) and ours["summary"]["output_tokens"] == sum(lengths)
+    for r in ours["requests"]:
+        assert r["submitted"] <= r["first_token"] <= r["finished"]
+    assert theirs["summary"]["batch_size"] in (1, 2)
+    assert set(report["results"]["transformers"]["batch_size_probe"]) == {"1", "2"}
+    assert set(report["ratios"]) >= {"useful_tokens_per_s", "single_decode_step", "single_encode_and_prefill"}
+    sweeps = report["results"]["sweeps"]
+    assert [r["concurrency"] for r in sweeps["concurrency"] if r["engine"] == "vlmserve"] == [1, 3]
+    assert [r["image_tokens"] for r in sweeps["image_size"] if r["engine"] == "vlmserve"] == [4, 9]

@@ -1,0 +1,198 @@
+"""`vlmserve bench`: vlmserve against transformers' generate on the same checkpoint, requests and
+machine, in one run.
+
+1. The workload (default: 32 requests, one 448x448 image each, ~64 text tokens, outputs spread
+   over 32..256 tokens, eos ignored) through vlmserve with every request in flight, and through
+   transformers at its best static batch size (chosen by a probe, then run for real).
+2. One request alone: time to first token (encode the image + prefill the prompt) and time per
+   output token (a decode step), both engines.
+3. Sweeps (vlmserve; transformers too with --sweep-hf): concurrency, and image size.
+Prints the numbers and ratios, writes bench.json and bench.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
+from vlmserve.bench.run_vlmserve import run_vlmserve
+from vlmserve.bench.workload import make_workload
+from vlmserve.entrypoints.llm import LLM
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint (default: the benchmark-size random Qwen2-VL)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=448, help="square images of this side")
+    p.add_argument("--input-len", type=int, default=64, help="text words per prompt (about one token each)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--single-output-len", type=int, default=64, help="tokens for the single-request decode timing")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64], help="sweep; empty to skip")
+    p.add_argument("--sweep-requests", type=int, default=64)
+    p.add_argument("--sweep-output-len", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
+    p.add_argument("--image-sizes", type=int, nargs="*", default=[224, 448, 672, 896], help="sweep; empty to skip")
+    p.add_argument("--sweep-hf", action="store_true", help="run the sweeps through transformers too")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def _print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(f"{r.get(c, '')}".rjust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if args.model is None:
+        from vlmserve.tools.tiny_checkpoint import bench_checkpoint_dir
+
+        args.model = str(bench_checkpoint_dir())
+    max_out = max(args.output_len[1], args.single_output_len, args.sweep_output_len[1])
+    biggest = max([args.image_size, *args.image_sizes])
+    max_model_len = (biggest // 28) ** 2 + args.input_len * 2 + max_out + 64
+    max_seqs = max([args.num_requests, *args.concurrency, 1])
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=max_model_len, max_num_seqs=max_seqs)
+    engine = llm.llm_engine
+    report: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
+                    "torch": torch.__version__},
+        "model": args.model,
+        "dtype": args.dtype,
+        "vlmserve_startup_s": round(time.perf_counter() - t0, 2),
+        "memory_plan": engine.memory_plan.describe(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }  # fmt: skip
+    size = (args.image_size, args.image_size)
+    workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
+    single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
+    run_vlmserve(engine, make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2), 2, tag="-warmup")
+
+    ours = run_vlmserve(engine, workload, concurrency=args.num_requests)
+    ours_single = run_vlmserve(engine, single, concurrency=1, tag="-single")
+    results: dict[str, Any] = {"vlmserve": {"workload": ours.to_json(), "single": ours_single.to_json()}}
+
+    hf_model = None
+    if not args.no_hf:
+        hf_model = load_hf_model(Path(engine.model_dir), dtype)
+        run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
+        best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
+        theirs = run_hf(hf_model, workload, best)
+        theirs_single = run_hf(hf_model, single, 1)
+        results["transformers"] = {
+            "batch_size_probe": probes,
+            "workload": theirs.to_json(),
+            "single": theirs_single.to_json(),
+        }
+        report["ratios"] = {
+            "useful_tokens_per_s": round(_ratio(ours.useful_tokens_per_s, theirs.useful_tokens_per_s), 2),
+            "workload_ttft_mean (lower is better)": round(_ratio(theirs.ttft_mean, ours.ttft_mean), 2),
+            "workload_tpot_mean (lower is better)": round(_ratio(theirs.tpot_mean, ours.tpot_mean), 2),
+            "single_decode_step": round(_ratio(theirs_single.tpot_mean, ours_single.tpot_mean), 2),
+            "single_encode_and_prefill": round(_ratio(theirs_single.ttft_mean, ours_single.ttft_mean), 2),
+        }
+        _print_table("workload", [ours.summary(), theirs.summary()], [*ours.summary(), "batch_size"])
+        _print_table("one request alone", [ours_single.summary(), theirs_single.summary()], list(ours.summary()))
+        print("\nvlmserve / transformers (higher is better for vlmserve):")
+        for name, value in report["ratios"].items():
+            print(f"  {name}: {value}x")
+
+    results["sweeps"] = _sweeps(args, llm, hf_model if args.sweep_hf else None)
+    report["results"] = results
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report, args.out / "bench.png")
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    return report
+
+
+def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list[dict[str, Any]]]:
+    engine = llm.llm_engine
+    out: dict[str, list[dict[str, Any]]] = {"concurrency": [], "image_size": []}
+    side = args.image_size
+    if args.concurrency:
+        reqs = make_workload(llm, args.sweep_requests, (side, side), args.input_len, tuple(args.sweep_output_len), 7)
+        for c in args.concurrency:
+            rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}").summary()]
+            if hf_model is not None:
+                rows.append(run_hf(hf_model, reqs, c).summary())
+            out["concurrency"].extend(rows)
+        _print_table("concurrency sweep", out["concurrency"], [*out["concurrency"][0], "batch_size"])
+    if args.image_sizes:
+        n = min(args.sweep_requests, 16)
+        for s in args.image_sizes:
+            reqs = make_workload(llm, n, (s, s), args.input_len, tuple(args.sweep_output_len), 11)
+            rows = [run_vlmserve(engine, reqs, n, tag=f"-s{s}").summary()]
+            if hf_model is not None:
+                rows.append(run_hf(hf_model, reqs, n).summary())
+            for row, r in zip(rows, [reqs] * len(rows), strict=True):
+                row["image_size"] = s
+                row["image_tokens"] = r[0].prompt.mm_items[0].length
+            out["image_size"].extend(rows)
+        _print_table(
+            "image size sweep", out["image_size"], ["image_size", "image_tokens", *list(out["image_size"][0])[:-2]]
+        )
+    return out
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install -e '.[bench]')")
+        return
+    results = report["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = ["vlmserve"] + (["transformers"] if "transformers" in results else [])
+    tps = [results[n]["workload"]["summary"]["useful_tokens_per_s"] for n in names]
+    axes[0].bar(names, tps, color=["tab:blue", "tab:orange"][: len(names)])
+    axes[0].set_title("workload: useful output tokens/s")
+    for engine, color in (("vlmserve", "tab:blue"), ("transformers", "tab:orange")):
+        conc = [r for r in results["sweeps"]["concurrency"] if r["engine"] == engine]
+        if conc:
+            key = "concurrency" if engine == "vlmserve" else "batch_size"
+            axes[1].plot([r[key] for r in conc], [r["useful_tokens_per_s"] for r in conc], "o-", color=color,
+                         label=engine)  # fmt: skip
+        sizes = [r for r in results["sweeps"]["image_size"] if r["engine"] == engine]
+        if sizes:
+            axes[2].plot([r["image_tokens"] for r in sizes], [r["ttft_mean_s"] for r in sizes], "o-", color=color,
+                         label=engine)  # fmt: skip
+    axes[1].set(xscale="log", xlabel="requests in flight", ylabel="useful tokens/s", title="concurrency sweep")
+    axes[2].set(xlabel="image tokens per request", ylabel="mean time to first token (s)", title="image size sweep")
+    for ax in axes[1:]:
+        ax.legend()
+    fig.suptitle(f"{Path(report['model']).name}, {report['dtype']}, {report['machine']['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vlmserve bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    run(parser.parse_intermixed_args(argv))
+    return 0

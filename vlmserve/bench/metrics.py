@@ -1,0 +1,69 @@
+"""Per-request timings and the numbers a serving benchmark reports."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestTiming:
+    index: int
+    prompt_tokens: int
+    output_tokens: int  # the request's own tokens (a static batch may run past them)
+    submitted: float
+    first_token: float
+    finished: float
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.submitted
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.finished - self.first_token) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass
+class RunResult:
+    engine: str  # "vlmserve" or "transformers"
+    setting: dict[str, object]  # concurrency / batch size, image size, ...
+    wall_s: float
+    timings: list[RequestTiming] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.timings)
+
+    @property
+    def useful_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def ttft_mean(self) -> float:
+        return statistics.fmean(t.ttft for t in self.timings)
+
+    @property
+    def ttft_p50(self) -> float:
+        return statistics.median(t.ttft for t in self.timings)
+
+    @property
+    def tpot_mean(self) -> float:
+        values = [t.tpot for t in self.timings if t.tpot is not None]
+        return statistics.fmean(values) if values else float("nan")
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "engine": self.engine,
+            **self.setting,
+            "requests": len(self.timings),
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens": self.output_tokens,
+            "useful_tokens_per_s": round(self.useful_tokens_per_s, 2),
+            "ttft_mean_s": round(self.ttft_mean, 4),
+            "ttft_p50_s": round(self.ttft_p50, 4),
+            "tpot_mean_s": round(self.tpot_mean, 5),
+        }
+
+    def to_json(self) -> dict[str, object]:
+        return {"summary": self.summary(), "requests": [asdict(t) for t in self.timings]}

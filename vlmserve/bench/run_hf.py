@@ -1,0 +1,131 @@
+"""The same workload through transformers' generate: static batches of `batch_size` requests,
+left-padded, each batch running to its longest request (only each request's own tokens count
+as useful). Inputs are the token ids and pixel patches vlmserve's processor made, which the
+test suite shows equal transformers' own processor outputs, so both engines see the same work.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmserve.bench.metrics import RequestTiming, RunResult
+from vlmserve.bench.workload import BenchRequest
+from vlmserve.multimodal.inputs import ProcessedPrompt
+
+PAD_ID = 151643
+IMAGE_TOKEN_ID = 151655
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    try:
+        from transformers import Qwen2VLForConditionalGeneration
+    except ImportError:
+        raise SystemExit("the transformers comparison needs transformers: pip install -e '.[bench]'") from None
+    return Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+class _FirstLogits:
+    """A logits processor that notes when the first token's logits exist (prefill done)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.at is None:
+            self.at = time.perf_counter()
+        return scores
+
+
+def _batch_inputs(batch: list[BenchRequest]) -> dict[str, torch.Tensor]:
+    longest = max(r.prompt.num_tokens for r in batch)
+    ids = torch.full((len(batch), longest), PAD_ID, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, r in enumerate(batch):
+        n = r.prompt.num_tokens
+        ids[row, longest - n :] = torch.tensor(r.prompt.prompt_token_ids)
+        mask[row, longest - n :] = 1
+    items = [item for r in batch for item in r.prompt.mm_items]
+    inputs = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == IMAGE_TOKEN_ID).int()}
+    if items:
+        inputs["pixel_values"] = torch.cat([item.pixel_values for item in items])
+        inputs["image_grid_thw"] = torch.tensor([item.grid_thw for item in items])
+    return inputs
+
+
+@torch.inference_mode()
+def generate_batch(model: Any, batch: list[BenchRequest], max_new_tokens: int) -> tuple[float, float, float]:
+    """(start, first logits, end) of one generate call, greedy, never stopping early."""
+    from transformers import LogitsProcessorList
+
+    clock = _FirstLogits()
+    inputs = _batch_inputs(batch)
+    start = time.perf_counter()
+    model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,  # ignore eos, as vlmserve does with ignore_eos
+        do_sample=False,
+        pad_token_id=PAD_ID,
+        logits_processor=LogitsProcessorList([clock]),
+    )
+    end = time.perf_counter()
+    return start, clock.at or end, end
+
+
+def run_hf(model: Any, requests: list[BenchRequest], batch_size: int) -> RunResult:
+    timings = []
+    begin = time.perf_counter()  # every request arrives now; a static batch waits for the one before
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        batch_len = max(r.output_len for r in batch)
+        _, first, end = generate_batch(model, batch, batch_len)
+        per_token = (end - first) / max(batch_len - 1, 1)
+        for r in batch:
+            # A request's own tokens arrive at the batch's pace; it is done at its own length.
+            own_end = first + per_token * (r.output_len - 1)
+            timings.append(RequestTiming(r.index, r.prompt.num_tokens, r.output_len, begin, first, own_end))
+    wall = time.perf_counter() - begin
+    return RunResult("transformers", {"batch_size": batch_size}, wall, timings)
+
+
+def _short_text_requests(count: int, num_tokens: int) -> list[BenchRequest]:
+    g = torch.Generator().manual_seed(count)
+    return [
+        BenchRequest(i, ProcessedPrompt(torch.randint(0, 150000, (num_tokens,), generator=g).tolist(), [], None, 0), 1,
+                     (0, 0))
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def probe_batch_sizes(
+    model: Any, requests: list[BenchRequest], candidates: list[int], probe_steps: int = 4
+) -> tuple[int, dict[int, dict[str, float]]]:
+    """Pick transformers' best batch size for this workload without running it at every size.
+
+    Prefill cost is measured once, on one real request: it grows with the tokens prefilled. The
+    decode step time at each batch size is measured on short text prompts (attention over a few
+    hundred keys is a small part of a step). The workload's time at a size is then predicted as
+    the sum over its batches of their prefill + (longest output - 1) x step, and the size with the
+    most useful tokens per second wins. The chosen size then runs the workload for real."""
+    start, first, _ = generate_batch(model, requests[:1], 2)
+    prefill_per_request = first - start
+    useful = sum(r.output_len for r in requests)
+    probes: dict[int, dict[str, float]] = {}
+    for size in candidates:
+        if size > len(requests):
+            continue
+        _, first, end = generate_batch(model, _short_text_requests(size, 16), probe_steps)
+        step = (end - first) / (probe_steps - 1)
+        predicted = 0.0
+        for i in range(0, len(requests), size):
+            batch = requests[i : i + size]
+            predicted += prefill_per_request * len(batch) + (max(r.output_len for r in batch) - 1) * step
+        probes[size] = {"step_s": step, "predicted_tokens_per_s": useful / predicted}
+    best = max(probes, key=lambda s: probes[s]["predicted_tokens_per_s"])
+    for probe in probes.values():
+        probe["prefill_per_request_s"] = prefill_per_request
+    return best, probes
