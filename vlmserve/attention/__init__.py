@@ -29,11 +29,17 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(device: torch.device, name: str = "auto", decode_workspace_tokens: int = 32768) -> AttentionBackend:
-    """Called once when the engine is built. Only the torch backend exists so far; it runs on
-    every device."""
+    """Called once when the engine is built. The torch backend runs on every device; on CPUs
+    where the vlmserve kernels build, its decode steps read the paged KV in place."""
     if name not in ("auto", "torch"):
         raise ValueError(f"unknown attention backend {name!r}; available: torch")
-    return TorchAttentionBackend(decode_workspace_tokens)
+    decode_kernel = None
+    if device.type == "cpu":
+        from vlmserve.kernels.cpu import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        decode_kernel = kernels.decode_attention if kernels is not None else None
+    return TorchAttentionBackend(decode_workspace_tokens, decode_kernel)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "select_backend"]

@@ -4,21 +4,27 @@ the paged cache by block table, and per-segment attention for the vision tower."
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from vlmserve.attention.metadata import AttentionMetadata
 
+# (q [num_seqs, heads, dim], kv_cache, block_tables, seq_lens, scale) -> out, or None if it declines
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
+
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, decode_workspace_tokens: int = 32768) -> None:
+    def __init__(self, decode_workspace_tokens: int = 32768, decode_kernel: DecodeKernel | None = None) -> None:
         # Batched decode gathers each sequence's KV padded to the longest in its group; groups
         # are cut so that (sequences x longest) stays within this many tokens, which bounds the
         # step's transient memory (the memory planner's profile run covers exactly this).
         self.decode_workspace_tokens = decode_workspace_tokens
+        # A paged decode kernel reading KV in place (CPU: kernels/cpu_linear.c), where one builds.
+        self.decode_kernel = decode_kernel
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store the step's keys and values at their slots. kv_cache is
@@ -51,6 +57,14 @@ class TorchAttentionBackend:
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
             out[start:end] = self._sdpa(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
+        if decode_rows and self.decode_kernel is not None:
+            token_index = torch.tensor([meta.query_start_loc[i] for i in decode_rows], device=q.device)
+            decoded = self.decode_kernel(
+                q[token_index], kv_cache, meta.block_tables[decode_rows], meta.seq_lens[decode_rows], scale
+            )
+            if decoded is not None:
+                out[token_index] = decoded
+                return out
         # Longest first, so each group is padded to its own first (longest) sequence.
         decode_rows.sort(key=lambda i: -meta.seq_lens_host[i])
         while decode_rows:

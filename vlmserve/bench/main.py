@@ -16,12 +16,14 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vlmserve.bench.metrics import RunResult
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import make_workload
@@ -36,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=64, help="text words per prompt (about one token each)")
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--single-output-len", type=int, default=64, help="tokens for the single-request decode timing")
+    p.add_argument(
+        "--single-rounds",
+        type=int,
+        default=3,
+        help="one-request timings alternate between the engines this many times (medians reported)",
+    )
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64], help="sweep; empty to skip")
@@ -88,31 +96,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
     run_vlmserve(engine, make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2), 2, tag="-warmup")
 
+    # NOTE: every measured vlmserve run starts from empty prefix and encoder caches: transformers
+    # has none, and a repeated request would otherwise be served from them.
+    engine.reset_prefix_cache()
     ours = run_vlmserve(engine, workload, concurrency=args.num_requests)
-    ours_single = run_vlmserve(engine, single, concurrency=1, tag="-single")
-    results: dict[str, Any] = {"vlmserve": {"workload": ours.to_json(), "single": ours_single.to_json()}}
+    results: dict[str, Any] = {"vlmserve": {"workload": ours.to_json()}}
 
     hf_model = None
-    if not args.no_hf:
+    if args.no_hf:
+        engine.reset_prefix_cache()
+        results["vlmserve"]["single"] = [run_vlmserve(engine, single, concurrency=1, tag="-single").to_json()]
+    else:
         hf_model = load_hf_model(Path(engine.model_dir), dtype)
         run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
         best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
         theirs = run_hf(hf_model, workload, best)
-        theirs_single = run_hf(hf_model, single, 1)
-        results["transformers"] = {
-            "batch_size_probe": probes,
-            "workload": theirs.to_json(),
-            "single": theirs_single.to_json(),
-        }
+        # One request alone, alternating engines so that both see the same machine conditions
+        # (this machine's memory bandwidth drifts by tens of percent over minutes).
+        ours_single: list[RunResult] = []
+        theirs_single: list[RunResult] = []
+        for r in range(args.single_rounds):
+            engine.reset_prefix_cache()
+            ours_single.append(run_vlmserve(engine, single, concurrency=1, tag=f"-single{r}"))
+            theirs_single.append(run_hf(hf_model, single, 1))
+        results["transformers"] = {"batch_size_probe": probes, "workload": theirs.to_json()}
+        results["vlmserve"]["single"] = [x.to_json() for x in ours_single]
+        results["transformers"]["single"] = [x.to_json() for x in theirs_single]
+        decode = [_ratio(t.tpot_mean, o.tpot_mean) for o, t in zip(ours_single, theirs_single, strict=True)]
+        prefill = [_ratio(t.ttft_mean, o.ttft_mean) for o, t in zip(ours_single, theirs_single, strict=True)]
         report["ratios"] = {
             "useful_tokens_per_s": round(_ratio(ours.useful_tokens_per_s, theirs.useful_tokens_per_s), 2),
             "workload_ttft_mean (lower is better)": round(_ratio(theirs.ttft_mean, ours.ttft_mean), 2),
             "workload_tpot_mean (lower is better)": round(_ratio(theirs.tpot_mean, ours.tpot_mean), 2),
-            "single_decode_step": round(_ratio(theirs_single.tpot_mean, ours_single.tpot_mean), 2),
-            "single_encode_and_prefill": round(_ratio(theirs_single.ttft_mean, ours_single.ttft_mean), 2),
+            "single_decode_step (median of rounds)": round(statistics.median(decode), 2),
+            "single_encode_and_prefill (median of rounds)": round(statistics.median(prefill), 2),
         }
+        report["single_rounds"] = {"decode_step_ratios": [round(x, 3) for x in decode],
+                                   "encode_and_prefill_ratios": [round(x, 3) for x in prefill]}  # fmt: skip
         _print_table("workload", [ours.summary(), theirs.summary()], [*ours.summary(), "batch_size"])
-        _print_table("one request alone", [ours_single.summary(), theirs_single.summary()], list(ours.summary()))
+        rows = [x.summary() | {"round": i} for i, pair in enumerate(zip(ours_single, theirs_single, strict=True))
+                for x in pair]  # fmt: skip
+        _print_table("one request alone", rows, ["round", *ours.summary()])
         print("\nvlmserve / transformers (higher is better for vlmserve):")
         for name, value in report["ratios"].items():
             print(f"  {name}: {value}x")
@@ -131,8 +155,11 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list
     out: dict[str, list[dict[str, Any]]] = {"concurrency": [], "image_size": []}
     side = args.image_size
     if args.concurrency:
-        reqs = make_workload(llm, args.sweep_requests, (side, side), args.input_len, tuple(args.sweep_output_len), 7)
         for c in args.concurrency:
+            # Fresh requests at every level, and empty caches: nothing is served from a cache.
+            reqs = make_workload(llm, args.sweep_requests, (side, side), args.input_len, tuple(args.sweep_output_len),
+                                 args.seed + 100 + c)  # fmt: skip
+            engine.reset_prefix_cache()
             rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}").summary()]
             if hf_model is not None:
                 rows.append(run_hf(hf_model, reqs, c).summary())
@@ -141,7 +168,8 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list
     if args.image_sizes:
         n = min(args.sweep_requests, 16)
         for s in args.image_sizes:
-            reqs = make_workload(llm, n, (s, s), args.input_len, tuple(args.sweep_output_len), 11)
+            reqs = make_workload(llm, n, (s, s), args.input_len, tuple(args.sweep_output_len), args.seed + 200 + s)
+            engine.reset_prefix_cache()
             rows = [run_vlmserve(engine, reqs, n, tag=f"-s{s}").summary()]
             if hf_model is not None:
                 rows.append(run_hf(hf_model, reqs, n).summary())
@@ -166,7 +194,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         return
     results = report["results"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    names = ["vlmserve"] + (["transformers"] if "transformers" in results else [])
+    names = ["vlmserve", *(["transformers"] if "transformers" in results else [])]
     tps = [results[n]["workload"]["summary"]["useful_tokens_per_s"] for n in names]
     axes[0].bar(names, tps, color=["tab:blue", "tab:orange"][: len(names)])
     axes[0].set_title("workload: useful output tokens/s")

@@ -57,6 +57,14 @@ class EncoderCacheManager:
         if not users:
             self.unused[content_hash] = None
 
+    def evict_unused(self) -> None:
+        """Drop every entry no request is using."""
+        while self.unused:
+            evicted, _ = self.unused.popitem(last=False)
+            self.used_tokens -= self.sizes.pop(evicted)
+            del self.users[evicted]
+            self._freed.append(evicted)
+
     def take_freed(self) -> list[str]:
         """Hashes evicted since the last call: the runner drops those tensors."""
         freed, self._freed = self._freed, []

@@ -72,6 +72,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
 
+    def forget_free_blocks(self) -> int:
+        """Drop the cached contents of every block nobody holds; returns how many."""
+        dropped = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                dropped += 1
+        return dropped
+
     def cache(self, block_id: int, block_hash: bytes) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cached:

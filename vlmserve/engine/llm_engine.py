@@ -38,7 +38,9 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    # Tokens per step; None: 2048 on the CPU (a step of 8192 prefill tokens runs for tens of
+    # seconds on a 2B-class model there, stalling every decoding request), 8192 on CUDA.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     # Memory the engine may use in all (weights, activations, encoder cache, KV cache);
     # None: 90% of a CUDA device, half the available RAM on the CPU.
@@ -103,6 +105,7 @@ class LLMEngine:
         eos = self.generation_config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
 
+        budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
         self.model = build_model(self.model_config, self.model_dir, backend, self.device, self.dtype)
@@ -110,10 +113,10 @@ class LLMEngine:
         largest_image = self.processor.max_tokens_per_item()["image"]
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
-            max_encoder_tokens_per_step=max(config.max_num_batched_tokens, largest_image),
-            encoder_cache_tokens=config.encoder_cache_tokens or max(config.max_num_batched_tokens, largest_image),
+            max_encoder_tokens_per_step=max(budget, largest_image),
+            encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_image),
         )
         self.memory_plan = self._plan_memory(scheduler_config, largest_image)
         logger.info(self.memory_plan.describe())
@@ -182,6 +185,12 @@ class LLMEngine:
         for child_id in child_ids:
             self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
         return output
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks and encoder outputs that no running request holds."""
+        self.kv.pool.forget_free_blocks()
+        self.scheduler.encoder_cache.evict_unused()
+        self.runner.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -42,13 +42,16 @@ class ModelRunner:
                 device=self.device,
             )  # fmt: skip
 
+    def free_encoder_outputs(self, content_hashes: list[str]) -> None:
+        for content_hash in content_hashes:
+            self.encoder_cache.pop(content_hash, None)
+
     # -- a step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
         assert self.kv is not None, "bind_kv_cache() before the first step"
-        for content_hash in step.free_encoder_hashes:
-            self.encoder_cache.pop(content_hash, None)
+        self.free_encoder_outputs(step.free_encoder_hashes)
         if step.encoder_inputs:
             items = [request.mm_items[i] for request, i in step.encoder_inputs]
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):

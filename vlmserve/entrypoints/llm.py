@@ -36,7 +36,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         memory_budget_gib: float | None = None,
         kv_cache_memory_gib: float | None = None,
@@ -72,6 +72,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV and image encodings (as vLLM's LLM.reset_prefix_cache)."""
+        self.llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()

@@ -70,6 +70,8 @@ class CpuKernels:
         lib.vlm_linear_bf16.restype = None
         lib.vlm_bf16_to_f32.argtypes = [p, p, i64]
         lib.vlm_bf16_to_f32.restype = None
+        lib.vlm_decode_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+        lib.vlm_decode_attention.restype = None
         self._lib = lib
         self.path = library
 
@@ -90,6 +92,39 @@ class CpuKernels:
             x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k
         )
         return y.reshape(*x.shape[:-1], n)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64
+        scale: float,
+    ) -> torch.Tensor | None:
+        """One query token per sequence over its paged KV; None where the kernel does not apply."""
+        num_seqs, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, kv_dim = kv_cache.shape
+        group = num_heads // num_kv_heads
+        if (
+            q.dtype not in (torch.bfloat16, torch.float32)
+            or kv_cache.dtype != q.dtype
+            or kv_dim != head_dim
+            or head_dim > 256
+            or group > 16
+            or num_heads % num_kv_heads
+            or not kv_cache.is_contiguous()
+        ):
+            return None
+        q = q.contiguous()
+        block_tables = block_tables.to(torch.int64).contiguous()
+        seq_lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._lib.vlm_decode_attention(
+            q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale,
+            int(q.dtype == torch.bfloat16),
+        )  # fmt: skip
+        return out
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""
