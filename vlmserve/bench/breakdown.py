@@ -13,10 +13,10 @@ arithmetic rate they reach, for both.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,73 +40,105 @@ def _time(fn: Callable[[], object], repeat: int = 10) -> float:
     return statistics.median(samples)
 
 
+class _Timers:
+    """Accumulates wall time spent inside wrapped callables, during real engine steps."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+
 @torch.inference_mode()
-def decode_breakdown(llm: LLM, context: int, hf: Any) -> dict[str, float]:
+def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: int = 3) -> dict[str, float]:
+    """Parts of real decode steps of one request, timed inside the same steps (so the shares
+    add up whatever the machine is doing), and transformers' step and forward in alternating
+    rounds (medians)."""
     engine = llm.llm_engine
-    model = engine.model
+    model, runner = engine.model, engine.runner
+    timers = _Timers()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not name.startswith("visual"):
+            module.op = timers.wrap("lm_head" if name == "lm_head" else "layer_matmuls", module.op)
+    model.forward = timers.wrap("forward", model.forward)  # type: ignore[method-assign]
+    runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]
+    for module in model.modules():
+        backend = getattr(module, "backend", None)
+        if backend is not None and getattr(backend, "decode_kernel", None) is not None:
+            backend.decode_kernel = timers.wrap("decode_attention", backend.decode_kernel)
+            break  # one backend object is shared by every layer
+
     ids = torch.randint(0, 150000, (context,)).tolist()
-    # Engine step: one request decoding (measured over a run of steps after its prefill).
-    steps = 24
-    engine.add_request("bd", llm.llm_engine.processor.process(ids, []), SamplingParams(temperature=0,
-                       max_tokens=steps + 2, ignore_eos=True))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=rounds * steps + 8, ignore_eos=True)
+    engine.add_request("bd", engine.processor.process(ids, []), params)
     engine.step()  # prefill
     engine.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step = (time.perf_counter() - t) / steps
+    ours_steps = []
+    hf_steps: list[float] = []
+    hf_forwards: list[float] = []
+    for _ in range(rounds):
+        timers.seconds.clear()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        ours_steps.append((time.perf_counter() - start) / steps)
+        parts = {k: v / steps for k, v in timers.seconds.items()}
+        if hf is not None:
+            hf_steps.append(_hf_step(hf, ids, 16))
+            hf_forwards.append(_hf_forward(hf, ids))
     engine.abort_request("bd")
 
-    # The matrix-vector products alone.
-    lm_linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and not name.startswith("visual")]
-    matmul = 0.0
-    streamed = 0
-    for linear in lm_linears:
-        x = torch.randn(1, linear.in_features, dtype=linear.weight.dtype)
-        matmul += _time(functools.partial(linear, x), repeat=5)
-        streamed += linear.weight.numel() * linear.weight.element_size()
-
-    # The runner's decode step alone (batch building, forward, logits, sampling), repeated on the
-    # same scheduled step.
-    request_ids = torch.randint(0, 150000, (context,)).tolist()
-    runner = engine.runner
-    engine.add_request("fw", engine.processor.process(request_ids, []), SamplingParams(max_tokens=4, ignore_eos=True))
-    sched = engine.scheduler.schedule()
-    runner.execute(sched)
-    engine.scheduler.update_from_output(sched, {"fw": 1})
-    decode = engine.scheduler.schedule()
-    forward = _time(lambda: runner.execute(decode), repeat=10)
-    engine.scheduler.update_from_output(decode, {})
-    engine.abort_request("fw")
-
+    step = statistics.median(ours_steps)
+    sizes = {n: m.weight.numel() * m.weight.element_size() for n, m in model.named_modules() if isinstance(m, Linear)}
+    head_bytes = sizes["lm_head"]
+    layer_bytes = sum(b for n, b in sizes.items() if not n.startswith("visual") and n != "lm_head")
+    matmuls = parts["layer_matmuls"]
+    attention = parts.get("decode_attention", 0.0)
     out = {
         "vlmserve_step_s": step,
-        "vlmserve_runner_s": forward,
-        "vlmserve_matmuls_s": matmul,
-        "weights_streamed_GB": streamed / 1e9,
-        "vlmserve_matmul_GBps": streamed / matmul / 1e9,
+        "  layer matmuls_s": matmuls,
+        "  lm_head_s": parts["lm_head"],
+        "  decode attention_s": parts.get("decode_attention", 0.0),
+        "  rest of the forward (norms, rotary, embeddings)_s": parts["forward"] - matmuls - attention,
+        "  sampling_s": parts["sampling"],
+        "  engine (scheduling, batch, detokenizing)_s": step - parts["forward"] - parts["lm_head"] - parts["sampling"],
+        "weights streamed per step_GB": (layer_bytes + head_bytes) / 1e9,
+        "matmul read rate_GBps": (layer_bytes + head_bytes) / (matmuls + parts["lm_head"]) / 1e9,
     }
-    if hf is not None:
-        inputs = torch.tensor([ids])
-        with torch.no_grad():
-            prefill = hf(input_ids=inputs, use_cache=True)
-            cache = prefill.past_key_values
-            token = torch.tensor([[11]])
-
-            def one() -> None:
-                hf(input_ids=token, past_key_values=cache, use_cache=True)
-                cache.crop(-1)  # drop the token again: the context stays the same across repeats
-
-            out["transformers_forward_s"] = _time(one, repeat=10)
-            t = time.perf_counter()
-            hf.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=2, min_new_tokens=2,
-                        do_sample=False)  # fmt: skip
-            t2 = time.perf_counter()
-            hf.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=2 + steps,
-                        min_new_tokens=2 + steps, do_sample=False)  # fmt: skip
-            t3 = time.perf_counter()
-            out["transformers_step_s"] = ((t3 - t2) - (t2 - t)) / steps
+    if hf_steps:
+        out["transformers_step_s"] = statistics.median(hf_steps)
+        out["transformers_forward_s"] = statistics.median(hf_forwards)
     return out
+
+
+def _hf_step(hf: Any, ids: list[int], steps: int) -> float:
+    x = torch.tensor([ids])
+    times = []
+    for n in (2, 2 + steps):
+        start = time.perf_counter()
+        hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False)  # fmt: skip
+        times.append(time.perf_counter() - start)
+    return (times[1] - times[0]) / steps
+
+
+def _hf_forward(hf: Any, ids: list[int]) -> float:
+    cache = hf(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    token = torch.tensor([[11]])
+
+    def one() -> None:
+        hf(input_ids=token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # drop the token again: the context stays the same across repeats
+
+    return _time(one, repeat=10)
 
 
 @torch.inference_mode()
@@ -175,17 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     hf = None if args.no_hf else load_hf_model(Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
     decode = decode_breakdown(llm, args.context, hf)
     prefill = prefill_breakdown(llm, hf, args.image_size)
-    decode["vlmserve: runner - matmuls_s"] = decode["vlmserve_runner_s"] - decode["vlmserve_matmuls_s"]
-    decode["vlmserve: step - runner_s"] = decode["vlmserve_step_s"] - decode["vlmserve_runner_s"]
-    if hf is not None:
-        decode["transformers: step - forward_s"] = decode["transformers_step_s"] - decode["transformers_forward_s"]
-    print(f"decode step, one request, {args.context} tokens of context:")
-    for key, value in decode.items():
-        print(f"  {key:32s} {value * 1e3:9.2f} ms" if key.endswith("_s") else f"  {key:32s} {value:9.2f}")
-    print(f"prefill, one {args.image_size}x{args.image_size} image:")
-    for key, value in prefill.items():
-        print(f"  {key:32s} {value * 1e3:9.2f} ms" if key.endswith("_s") else f"  {key:32s} {value:9.2f}")
+    _print_section(f"decode step, one request, {args.context} tokens of context:", decode)
+    _print_section(f"prefill, one {args.image_size}x{args.image_size} image:", prefill)
     return 0
+
+
+def _print_section(title: str, values: dict[str, float]) -> None:
+    """Keys end in their unit: "_s" values print in milliseconds."""
+    print(title)
+    for key, value in values.items():
+        label, unit = key.rsplit("_", 1)
+        print(f"  {label:50s} {value * 1e3:9.2f} ms" if unit == "s" else f"  {label:50s} {value:9.2f} {unit}")
 
 
 if __name__ == "__main__":
