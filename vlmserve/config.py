@@ -90,7 +90,6 @@ class ModelConfig:
     vision_end_token_id: int
     # The dtype the checkpoint was saved in ("auto" resolves to it for CUDA).
     checkpoint_dtype: torch.dtype | None
-    raw: dict[str, Any]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -113,7 +112,6 @@ class ModelConfig:
             vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
             vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
             checkpoint_dtype=parse_dtype(dtype_name) if dtype_name else None,
-            raw=raw,
         )
 
     @classmethod

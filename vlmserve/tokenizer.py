@@ -91,10 +91,6 @@ class Tokenizer:
         return self._tokenizer.token_to_id(eos) if eos else None
 
     @cached_property
-    def special_token_ids(self) -> frozenset[int]:
-        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
-
-    @cached_property
     def _chat_template(self) -> jinja2.Template:
         if self.chat_template_source is None:
             raise ValueError("this checkpoint has no chat template; pass chat_template= or use generate()")

@@ -17,7 +17,7 @@ def make_scheduler(
     encoder_budget: int = 64,
     encoder_cache: int = 64,
 ) -> Scheduler:
-    config = SchedulerConfig(max_seqs, budget, 4096, encoder_budget, encoder_cache)
+    config = SchedulerConfig(max_seqs, budget, encoder_budget, encoder_cache)
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 

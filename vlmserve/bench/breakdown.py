@@ -23,21 +23,12 @@ from typing import Any
 
 import torch
 
+from vlmserve.bench.metrics import median_seconds
 from vlmserve.bench.run_hf import load_hf_model
 from vlmserve.bench.workload import make_workload
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.models.layers import Linear
 from vlmserve.sampling_params import SamplingParams
-
-
-def _time(fn: Callable[[], object], repeat: int = 10) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 class _Timers:
@@ -138,7 +129,7 @@ def _hf_forward(hf: Any, ids: list[int]) -> float:
         hf(input_ids=token, past_key_values=cache, use_cache=True)
         cache.crop(-1)  # drop the token again: the context stays the same across repeats
 
-    return _time(one, repeat=10)
+    return median_seconds(one, 10)
 
 
 @torch.inference_mode()
@@ -148,7 +139,7 @@ def prefill_breakdown(llm: LLM, hf: Any, image_size: int) -> dict[str, float]:
     prompt = request.prompt
     item = prompt.mm_items[0]
     model = engine.model
-    encode = _time(lambda: model.embed_multimodal([item]), repeat=3)
+    encode = median_seconds(lambda: model.embed_multimodal([item]), 3)
     cfg = engine.model_config
     text, vision = cfg.text, cfg.vision
     lm_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers"))
@@ -162,7 +153,7 @@ def prefill_breakdown(llm: LLM, hf: Any, image_size: int) -> dict[str, float]:
         while engine.has_unfinished_requests():
             engine.step()
 
-    total = _time(ttft, repeat=3)
+    total = median_seconds(ttft, 3)
     out = {
         "prompt_tokens": prompt.num_tokens,
         "image_tokens": item.length,
@@ -175,10 +166,10 @@ def prefill_breakdown(llm: LLM, hf: Any, image_size: int) -> dict[str, float]:
     if hf is not None:
         pixel_values = item.pixel_values
         grid = torch.tensor([item.grid_thw])
-        hf_encode = _time(lambda: hf.model.get_image_features(pixel_values, grid), repeat=3)
+        hf_encode = median_seconds(lambda: hf.model.get_image_features(pixel_values, grid), 3)
         ids = torch.tensor([prompt.prompt_token_ids])
         kwargs = {"pixel_values": pixel_values, "image_grid_thw": grid, "mm_token_type_ids": (ids == 151655).int()}
-        hf_total = _time(lambda: hf(input_ids=ids, logits_to_keep=1, **kwargs), repeat=3)
+        hf_total = median_seconds(lambda: hf(input_ids=ids, logits_to_keep=1, **kwargs), 3)
         out |= {
             "transformers_ttft_s": hf_total,
             "transformers_encode_s": hf_encode,

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+
+def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of `repeat` calls, after one untimed warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 @dataclass

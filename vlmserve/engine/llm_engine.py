@@ -114,7 +114,6 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len,
             max_encoder_tokens_per_step=max(budget, largest_image),
             encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_image),
         )

@@ -28,7 +28,6 @@ from vlmserve.engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
-    max_model_len: int = 32768
     # Encoder tokens (merged image embeddings) computed per step and held at once.
     max_encoder_tokens_per_step: int = 8192
     encoder_cache_tokens: int = 16384

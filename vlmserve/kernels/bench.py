@@ -3,26 +3,16 @@ benchmark model's shapes, for 1 to 64 rows."""
 
 from __future__ import annotations
 
+import functools
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from vlmserve.bench.metrics import median_seconds
 from vlmserve.kernels.cpu import load_cpu_kernels
 
 SHAPES = {"lm_head": (151936, 1536), "gate_up_proj": (17920, 1536), "down_proj": (1536, 8960), "qkv_proj": (2048, 1536)}
-
-
-def _median_seconds(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> int:
@@ -36,8 +26,8 @@ def main() -> int:
         weight = torch.randn(n, k).bfloat16()
         for m in (1, 8, 32, 64):
             x = torch.randn(m, k).bfloat16()
-            ours = _median_seconds(lambda x=x, weight=weight: kernels.linear_bf16(x, weight, None), 7)
-            theirs = _median_seconds(lambda x=x, weight=weight: F.linear(x, weight), 3)
+            ours = median_seconds(functools.partial(kernels.linear_bf16, x, weight, None), 7)
+            theirs = median_seconds(functools.partial(F.linear, x, weight), 3)
             gb = weight.numel() * 2 / ours / 1e9
             gflops = 2 * m * n * k / ours / 1e9
             row = f"{name:>13} {m:4d} {ours * 1e3:11.2f} {gb:6.1f} {gflops:8.1f}"
