@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vlmserve.engine.core import EngineCoreOutput
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
-from vlmserve.engine.request import Request, RequestStatus
+from vlmserve.engine.request import RequestStatus
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import Tokenizer
@@ -83,26 +84,28 @@ class OutputProcessor:
         self.parents[request_id] = parent
         return child_ids
 
-    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updates: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of requests that changed, and the engine requests a stop string
-        finished (the engine must free them)."""
+        finished (the engine core must free them)."""
         stopped: list[str] = []
         touched: dict[str, _Parent] = {}
-        for request in updated:
-            sample = self.samples[request.request_id]
-            sample.parent.num_cached_tokens = max(sample.parent.num_cached_tokens, request.num_cached_tokens)
-            new_tokens = request.output_token_ids[len(sample.output.token_ids) :]
-            sample.output.token_ids.extend(new_tokens)
-            finished = request.status.finished
-            stop = sample.detokenizer.update(new_tokens, finished)
+        for update in updates:
+            sample = self.samples.get(update.request_id)
+            if sample is None:
+                continue  # aborted here while its step ran
+            parent = sample.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, update.num_cached_tokens)
+            sample.output.token_ids.extend(update.new_token_ids)
+            finished = update.finish_reason is not None
+            stop = sample.detokenizer.update(update.new_token_ids, finished)
             if stop is not None:
                 sample.output.finish_reason, sample.output.stop_reason = "stop", stop
                 if not finished:
-                    stopped.append(request.request_id)
+                    stopped.append(update.request_id)
             elif finished:
-                sample.output.finish_reason = request.status.value
-                sample.output.stop_reason = request.stop_reason
-            touched[sample.parent.request_id] = sample.parent
+                sample.output.finish_reason = update.finish_reason
+                sample.output.stop_reason = update.stop_reason
+            touched[parent.request_id] = parent
         outputs = [parent.to_output() for parent in touched.values()]
         for parent in touched.values():
             if parent.finished:

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmserve.engine.llm_engine import EngineConfig, LLMEngine
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits

@@ -1,0 +1,57 @@
+"""Engine options, and how "auto" device and dtype resolve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlmserve.config import parse_dtype
+from vlmserve.multimodal.media import MediaLimits
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    revision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    # Tokens per step; None: 2048 on the CPU (a step of 8192 prefill tokens runs for tens of
+    # seconds on a 2B-class model there, stalling every decoding request), 8192 on CUDA.
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    # Memory the engine may use in all (weights, activations, encoder cache, KV cache);
+    # None: 90% of a CUDA device, half the available RAM on the CPU.
+    memory_budget_bytes: int | None = None
+    # A fixed KV cache size instead of planning one from the budget (skips the profile run).
+    kv_cache_memory_bytes: int | None = None
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    # Engine-wide overrides of preprocessor_config.json (min_pixels, max_pixels).
+    mm_processor_kwargs: dict[str, int] = field(default_factory=dict)
+    enable_prefix_caching: bool = True
+    # Encoder outputs held at once, in tokens; None: enough for a step's worth or the largest image.
+    encoder_cache_tokens: int | None = None
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; use 'cpu', 'cuda' or 'auto'")
+    return resolved
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    resolved = checkpoint_dtype or torch.float32
+    # float16 matrix products are slow on CPUs; bfloat16 has the same size and range enough.
+    if device.type == "cpu" and resolved == torch.float16:
+        return torch.bfloat16
+    return resolved

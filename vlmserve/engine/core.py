@@ -1,0 +1,132 @@
+"""The engine core: the model, its caches and the scheduler. It takes processed requests and
+returns, step by step, the token ids each request received; detokenizing and stop strings are
+the front end's business. The server runs it in its own process; the offline LLM in-process."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vlmserve.attention import select_backend
+from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from vlmserve.engine.frontend import Frontend
+from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
+from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.request import Request, RequestStatus
+from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.models import build_model
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request got in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or None while running
+    stop_reason: int | None  # the stop token id, when one ended it
+    num_cached_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, frontend: Frontend) -> None:
+        self.config = config
+        self.frontend = frontend
+        self.max_model_len = frontend.max_model_len
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, frontend.model_config.checkpoint_dtype, self.device)
+        budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
+        # The batched-decode workspace bounds a step's transient memory; the plan measures it.
+        backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
+        self.model = build_model(frontend.model_config, frontend.model_dir, backend, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.device, self.dtype)
+        largest_image = frontend.processor.max_tokens_per_item()["image"]
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_encoder_tokens_per_step=max(budget, largest_image),
+            encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_image),
+        )
+        self.memory_plan = self._plan_memory(scheduler_config, largest_image)
+        logger.info(self.memory_plan.describe())
+        self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.bind_kv_cache(self.kv)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+
+    def _plan_memory(self, sched: SchedulerConfig, largest_image: int) -> MemoryPlan:
+        config = self.config
+        block_bytes = self.runner.kv_bytes_per_token * config.block_size
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        dtype_size = torch.empty((), dtype=self.dtype).element_size()
+        encoder_cache = sched.encoder_cache_tokens * self.frontend.model_config.text.hidden_size * dtype_size
+        per_seq = -(-self.max_model_len // config.block_size)
+        if config.kv_cache_memory_bytes is not None:
+            fixed = config.kv_cache_memory_bytes // block_bytes
+            if fixed < 1:
+                raise ValueError(
+                    f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
+                )
+            budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
+        else:
+            count = max(1, sched.max_encoder_tokens_per_step // largest_image)
+            dummy = self.frontend.processor.dummy_items(count, largest_image)
+            activations = self.runner.profile_run(
+                dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
+            )
+            budget = config.memory_budget_bytes or default_budget(self.device)
+            min_blocks, profiled = per_seq, True
+        return plan_kv_cache(
+            budget_bytes=budget,
+            weights_bytes=weights,
+            activation_bytes=activations,
+            encoder_cache_bytes=encoder_cache,
+            block_bytes=block_bytes,
+            block_size=config.block_size,
+            min_blocks=min_blocks,
+            max_useful_blocks=per_seq * config.max_num_seqs,
+            profiled=profiled,
+        )
+
+    def check_fits(self, prompt: ProcessedPrompt) -> None:
+        self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        """One sample (n == 1); the front end fans out n > 1."""
+        request = Request(request_id, prompt, params, self.frontend.eos_token_ids, self.max_model_len)
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Stop requests now (aborted, or a stop string found by the front end); frees everything."""
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, status)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks and encoder outputs that no running request holds."""
+        self.kv.pool.forget_free_blocks()
+        self.scheduler.encoder_cache.evict_unused()
+        self.runner.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        step = self.scheduler.schedule()
+        sampled = self.runner.execute(step)
+        updated = self.scheduler.update_from_output(step, sampled)
+        return [
+            EngineCoreOutput(
+                request_id=r.request_id,
+                new_token_ids=r.output_token_ids[-1:],
+                finish_reason=r.status.value if r.status.finished else None,
+                stop_reason=r.stop_reason if isinstance(r.stop_reason, int) else None,
+                num_cached_tokens=r.num_cached_tokens,
+            )
+            for r in updated
+        ]
