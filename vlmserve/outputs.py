@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,7 +20,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    # One {token id: Logprob} per generated token (the sampled one and the top ones), when asked.
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -21,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Log-probabilities of the sampled token plus this many most likely ones (None: none).
+    logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.stop_token_ids is not None and not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
 

@@ -73,6 +73,22 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def _byte_decoder(self) -> dict[str, int]:
+        from vlmserve.tools.tiktoken_to_hf import bytes_to_unicode
+
+        return {ch: b for b, ch in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (byte-level BPE), or an added token's text."""
+        token = self._tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._tokenizer.get_added_tokens_decoder():
+            return token.encode()
+        decoder = self._byte_decoder
+        return bytes(decoder[ch] for ch in token if ch in decoder)
+
     def token_to_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:

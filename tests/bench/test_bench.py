@@ -11,13 +11,45 @@ from vlmserve.bench.main import main
 
 def test_bench_runs_both_engines_and_writes_reports(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    main([
-        str(tiny_dir), "--dtype", "float32", "--num-requests", "4", "--image-size", "56", "--input-len", "6",
-        "--output-len", "3", "7", "--single-output-len", "5", "--single-rounds", "2", "--hf-batch-sizes", "1", "2",
-        "--concurrency", "1", "3",
-        "--sweep-requests", "3", "--sweep-output-len", "2", "3", "--image-sizes", "56", "84", "--sweep-hf",
-        "--threads", "2", "--out", str(out),
-    ])  # fmt: skip
+    main(
+        [
+            str(tiny_dir),
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "4",
+            "--image-size",
+            "56",
+            "--input-len",
+            "6",
+            "--output-len",
+            "3",
+            "7",
+            "--single-output-len",
+            "5",
+            "--single-rounds",
+            "2",
+            "--hf-batch-sizes",
+            "1",
+            "2",
+            "--concurrency",
+            "1",
+            "3",
+            "--sweep-requests",
+            "3",
+            "--sweep-output-len",
+            "2",
+            "3",
+            "--image-sizes",
+            "56",
+            "84",
+            "--sweep-hf",
+            "--threads",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 10_000
     ours = report["results"]["vlmserve"]["workload"]

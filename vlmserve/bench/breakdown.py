@@ -115,8 +115,7 @@ def _hf_step(hf: Any, ids: list[int], steps: int) -> float:
     times = []
     for n in (2, 2 + steps):
         start = time.perf_counter()
-        hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                    do_sample=False)  # fmt: skip
+        hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         times.append(time.perf_counter() - start)
     return (times[1] - times[0]) / steps
 
@@ -180,8 +179,11 @@ def prefill_breakdown(llm: LLM, hf: Any, image_size: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlmserve.bench.breakdown", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m vlmserve.bench.breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--context", type=int, default=400)

@@ -83,14 +83,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=max_model_len, max_num_seqs=max_seqs)
     engine = llm.llm_engine
     report: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
-                    "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+        },
         "model": args.model,
         "dtype": args.dtype,
         "vlmserve_startup_s": round(time.perf_counter() - t0, 2),
         "memory_plan": engine.memory_plan.describe(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }  # fmt: skip
+    }
     size = (args.image_size, args.image_size)
     workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
     single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
@@ -131,11 +135,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "single_decode_step (median of rounds)": round(statistics.median(decode), 2),
             "single_encode_and_prefill (median of rounds)": round(statistics.median(prefill), 2),
         }
-        report["single_rounds"] = {"decode_step_ratios": [round(x, 3) for x in decode],
-                                   "encode_and_prefill_ratios": [round(x, 3) for x in prefill]}  # fmt: skip
+        report["single_rounds"] = {
+            "decode_step_ratios": [round(x, 3) for x in decode],
+            "encode_and_prefill_ratios": [round(x, 3) for x in prefill],
+        }
         _print_table("workload", [ours.summary(), theirs.summary()], [*ours.summary(), "batch_size"])
-        rows = [x.summary() | {"round": i} for i, pair in enumerate(zip(ours_single, theirs_single, strict=True))
-                for x in pair]  # fmt: skip
+        rows = [
+            x.summary() | {"round": i}
+            for i, pair in enumerate(zip(ours_single, theirs_single, strict=True))
+            for x in pair
+        ]
         _print_table("one request alone", rows, ["round", *ours.summary()])
         print("\nvlmserve / transformers (higher is better for vlmserve):")
         for name, value in report["ratios"].items():
@@ -157,8 +166,14 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list
     if args.concurrency:
         for c in args.concurrency:
             # Fresh requests at every level, and empty caches: nothing is served from a cache.
-            reqs = make_workload(llm, args.sweep_requests, (side, side), args.input_len, tuple(args.sweep_output_len),
-                                 args.seed + 100 + c)  # fmt: skip
+            reqs = make_workload(
+                llm,
+                args.sweep_requests,
+                (side, side),
+                args.input_len,
+                tuple(args.sweep_output_len),
+                args.seed + 100 + c,
+            )
             engine.reset_prefix_cache()
             rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}").summary()]
             if hf_model is not None:
@@ -202,12 +217,14 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         conc = [r for r in results["sweeps"]["concurrency"] if r["engine"] == engine]
         if conc:
             key = "concurrency" if engine == "vlmserve" else "batch_size"
-            axes[1].plot([r[key] for r in conc], [r["useful_tokens_per_s"] for r in conc], "o-", color=color,
-                         label=engine)  # fmt: skip
+            axes[1].plot(
+                [r[key] for r in conc], [r["useful_tokens_per_s"] for r in conc], "o-", color=color, label=engine
+            )
         sizes = [r for r in results["sweeps"]["image_size"] if r["engine"] == engine]
         if sizes:
-            axes[2].plot([r["image_tokens"] for r in sizes], [r["ttft_mean_s"] for r in sizes], "o-", color=color,
-                         label=engine)  # fmt: skip
+            axes[2].plot(
+                [r["image_tokens"] for r in sizes], [r["ttft_mean_s"] for r in sizes], "o-", color=color, label=engine
+            )
     axes[1].set(xscale="log", xlabel="requests in flight", ylabel="useful tokens/s", title="concurrency sweep")
     axes[2].set(xlabel="image tokens per request", ylabel="mean time to first token (s)", title="image size sweep")
     for ax in axes[1:]:
@@ -219,8 +236,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vlmserve bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="vlmserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     run(parser.parse_intermixed_args(argv))
     return 0

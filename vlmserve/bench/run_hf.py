@@ -95,10 +95,11 @@ def run_hf(model: Any, requests: list[BenchRequest], batch_size: int) -> RunResu
 def _short_text_requests(count: int, num_tokens: int) -> list[BenchRequest]:
     g = torch.Generator().manual_seed(count)
     return [
-        BenchRequest(i, ProcessedPrompt(torch.randint(0, 150000, (num_tokens,), generator=g).tolist(), [], None, 0), 1,
-                     (0, 0))
+        BenchRequest(
+            i, ProcessedPrompt(torch.randint(0, 150000, (num_tokens,), generator=g).tolist(), [], None, 0), 1, (0, 0)
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def probe_batch_sizes(

@@ -47,7 +47,11 @@ def make_workload(
     for i in range(num_requests):
         pixels = np_rng.integers(0, 256, (image_size[1], image_size[0], 3), dtype=np.uint8)
         words = " ".join(rng.choice(_WORDS) for _ in range(input_len))
-        messages = [{"role": "user", "content": [{"type": "image", "image": Image.fromarray(pixels)},
-                                                 {"type": "text", "text": words}]}]  # fmt: skip
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": Image.fromarray(pixels)}, {"type": "text", "text": words}],
+            }
+        ]
         requests.append(BenchRequest(i, llm.process_chat(messages), rng.randint(lo, hi), image_size))
     return requests

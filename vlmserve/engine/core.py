@@ -33,6 +33,8 @@ class EngineCoreOutput:
     finish_reason: str | None  # "stop", "length", or None while running
     stop_reason: int | None  # the stop token id, when one ended it
     num_cached_tokens: int
+    # For each new token (when asked): (logprob, rank, [(token id, logprob) of the top ones]).
+    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class EngineCore:
@@ -120,6 +122,7 @@ class EngineCore:
         step = self.scheduler.schedule()
         sampled = self.runner.execute(step)
         updated = self.scheduler.update_from_output(step, sampled)
+        logprobs = self.runner.last_logprobs
         return [
             EngineCoreOutput(
                 request_id=r.request_id,
@@ -127,6 +130,7 @@ class EngineCore:
                 finish_reason=r.status.value if r.status.finished else None,
                 stop_reason=r.stop_reason if isinstance(r.stop_reason, int) else None,
                 num_cached_tokens=r.num_cached_tokens,
+                logprobs=[(lp.logprob, lp.rank, lp.top)] if (lp := logprobs.get(r.request_id)) else None,
             )
             for r in updated
         ]

@@ -10,7 +10,7 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
-from vlmserve.engine.sampler import Sampler
+from vlmserve.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from vlmserve.engine.scheduler import SchedulerOutput
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
@@ -26,6 +26,7 @@ class ModelRunner:
         self.kv: KVCacheManager | None = None
         # Encoder outputs by content hash; the scheduler says when each may go.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
 
     @property
@@ -38,9 +39,14 @@ class ModelRunner:
         for layer in self.attention_layers if layers is None else layers:
             # Zeroed so padded reads in batched decode see finite values (masked away anyway).
             layer.kv_cache = torch.zeros(
-                2, kv.pool.num_blocks, kv.block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype,
+                2,
+                kv.pool.num_blocks,
+                kv.block_size,
+                layer.num_kv_heads,
+                layer.head_dim,
+                dtype=self.dtype,
                 device=self.device,
-            )  # fmt: skip
+            )
 
     def free_encoder_outputs(self, content_hashes: list[str]) -> None:
         for content_hash in content_hashes:
@@ -50,12 +56,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
+        """The token sampled for each request that reached the end of its known tokens;
+        their log-probabilities, where asked for, are left in `self.last_logprobs`."""
         assert self.kv is not None, "bind_kv_cache() before the first step"
         self.free_encoder_outputs(step.free_encoder_hashes)
         if step.encoder_inputs:
             items = [request.mm_items[i] for request, i in step.encoder_inputs]
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):
                 self.encoder_cache[item.content_hash] = embeds
+        self.last_logprobs: dict[str, TokenLogprobs] = {}
         if not step.scheduled:
             return {}
 
@@ -96,6 +105,10 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows]).float()
         tokens = self.sampler(logits, [r.params for r in sampled_requests], [r.generator for r in sampled_requests])
+        counts = [r.params.logprobs for r in sampled_requests]
+        if any(c is not None for c in counts):
+            info = token_logprobs(logits, tokens, counts)
+            self.last_logprobs = {r.request_id: x for r, x in zip(sampled_requests, info, strict=True) if x is not None}
         return {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
 
     def _metadata(
@@ -153,9 +166,12 @@ class ModelRunner:
             del hidden, embeds
             # Every sequence decoding at full length (block tables may alias: reads only).
             meta = self._metadata(
-                [max_model_len - 1] * num_seqs, list(range(num_seqs + 1)), [max_model_len] * num_seqs,
-                [blocks] * num_seqs, block_size,
-            )  # fmt: skip
+                [max_model_len - 1] * num_seqs,
+                list(range(num_seqs + 1)),
+                [max_model_len] * num_seqs,
+                [blocks] * num_seqs,
+                block_size,
+            )
             embeds = torch.randn(num_seqs, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.full((3, num_seqs), max_model_len - 1, device=self.device)
             hidden = self.model(None, positions, meta, embeds)

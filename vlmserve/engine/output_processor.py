@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from vlmserve.engine.core import EngineCoreOutput
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.request import RequestStatus
-from vlmserve.outputs import CompletionOutput, RequestOutput
+from vlmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import Tokenizer
 
@@ -40,7 +40,12 @@ class _Parent:
         for s in self.samples:
             o = s.output
             text = s.detokenizer.visible_text(o.finished())
-            outputs.append(CompletionOutput(o.index, text, list(o.token_ids), o.finish_reason, o.stop_reason))
+            logprobs = None if o.logprobs is None else list(o.logprobs)
+            outputs.append(
+                CompletionOutput(
+                    o.index, text, list(o.token_ids), o.finish_reason, o.stop_reason, o.cumulative_logprob, logprobs
+                )
+            )
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -76,7 +81,10 @@ class OutputProcessor:
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
             sample = _Sample(
-                parent, index, IncrementalDetokenizer(self.tokenizer, params), CompletionOutput(index, "", [])
+                parent,
+                index,
+                IncrementalDetokenizer(self.tokenizer, params),
+                CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None else None),
             )
             parent.samples.append(sample)
             self.samples[child_id] = sample
@@ -96,6 +104,8 @@ class OutputProcessor:
             parent = sample.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, update.num_cached_tokens)
             sample.output.token_ids.extend(update.new_token_ids)
+            if update.logprobs is not None and sample.output.logprobs is not None:
+                self._add_logprobs(sample.output, update.new_token_ids, update.logprobs)
             finished = update.finish_reason is not None
             stop = sample.detokenizer.update(update.new_token_ids, finished)
             if stop is not None:
@@ -111,6 +121,23 @@ class OutputProcessor:
             if parent.finished:
                 self._forget(parent)
         return outputs, stopped
+
+    def _add_logprobs(
+        self,
+        output: CompletionOutput,
+        token_ids: list[int],
+        logprobs: list[tuple[float, int, list[tuple[int, float]]]],
+    ) -> None:
+        assert output.logprobs is not None
+        for token_id, (logprob, rank, top) in zip(token_ids, logprobs, strict=True):
+            entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
+            for top_rank, (top_id, top_logprob) in enumerate(top, start=1):
+                entry.setdefault(top_id, Logprob(top_logprob, top_rank, self._token_text(top_id)))
+            output.logprobs.append(entry)
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprob
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
         """Mark every unfinished sample of the request aborted; returns the final output and

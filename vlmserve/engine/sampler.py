@@ -3,6 +3,8 @@ request so its samples do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vlmserve.sampling_params import SamplingParams
@@ -20,6 +22,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and rank (1 = most likely) under the model's raw
+    distribution, and the `logprobs` most likely tokens with theirs."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row, for rows whose count is not None (vLLM's default: raw logits, before
+    temperature and top-k/top-p)."""
+    rows = [i for i, c in enumerate(counts) if c is not None]
+    out: list[TokenLogprobs | None] = [None] * len(counts)
+    if not rows:
+        return out
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    k = max(counts[i] or 0 for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    for j, i in enumerate(rows):
+        chosen = logprobs[j, tokens[i]]
+        rank = int((logprobs[j] > chosen).sum()) + 1
+        n = counts[i] or 0
+        top = [] if top_ids is None else list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
+        out[i] = TokenLogprobs(float(chosen), rank, top)
+    return out
 
 
 class Sampler:

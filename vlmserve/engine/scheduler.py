@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start
 
     # -- admission and removal ------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _release_encoder_outputs(self, request: Request, upto: int | None) -> None:

@@ -1,0 +1,200 @@
+"""The engine process: `python -m vlmserve.serve.engine_process --config JSON --input ADDR
+--output ADDR --parent PID`, started by the API process.
+
+It connects to the API process's two ZMQ sockets, takes AddRequest / AbortRequests messages,
+copies each request's pixels out of shared memory (unlinking the segments), steps the engine
+core while there is work, and sends back each step's token ids plus periodic stats. It exits
+when told to, and by itself when the API process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import msgspec
+import torch
+import zmq
+
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.frontend import load_frontend
+from vlmserve.engine.request import RequestStatus
+from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.multimodal.mrope import mrope_positions
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.serve import shm, token_handles
+from vlmserve.serve.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreOutput,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    encoder,
+    to_engine_decoder,
+)
+
+logger = logging.getLogger("vlmserve.engine")
+STATS_INTERVAL_S = 0.5
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.config = core.frontend.model_config
+        self.pull, self.push = pull, push
+        self.parent_pid = parent_pid
+        self.running = True
+        self.last_stats = 0.0
+
+    def run(self) -> None:
+        self.push.send(encoder.encode(Ready(self.core.memory_plan.describe(), self.core.max_model_len)))
+        while self.running:
+            if os.getppid() != self.parent_pid:
+                logger.warning("the API process is gone; exiting")
+                return
+            busy = self.core.has_unfinished_requests()
+            # Idle: block briefly on the socket (and look at the parent again); busy: just drain.
+            timeout_ms = 0 if busy else 200
+            while self.pull.poll(timeout_ms):
+                self._handle(self.pull.recv())
+                timeout_ms = 0
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                if outputs:
+                    wire = [
+                        CoreOutput(
+                            o.request_id,
+                            o.new_token_ids,
+                            o.finish_reason,
+                            o.stop_reason,
+                            o.num_cached_tokens,
+                            o.logprobs,
+                        )
+                        for o in outputs
+                    ]
+                    self.push.send(encoder.encode(StepOutputs(wire)))
+            if time.monotonic() - self.last_stats > STATS_INTERVAL_S:
+                self._send_stats()
+
+    def _handle(self, raw: bytes) -> None:
+        try:
+            message = to_engine_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.warning("dropped a malformed message (%d bytes): %s", len(raw), e)
+            return
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            status = RequestStatus.FINISHED_STOPPED if message.stopped else RequestStatus.FINISHED_ABORTED
+            self.core.finish_requests(message.request_ids, status)
+        elif isinstance(message, Shutdown):
+            self.running = False
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            prompt = self._prompt(message)
+            self.core.check_fits(prompt)
+            for child_id, spec in zip(message.child_ids, message.params, strict=True):
+                params = SamplingParams(
+                    temperature=spec.temperature,
+                    top_p=spec.top_p,
+                    top_k=spec.top_k,
+                    max_tokens=spec.max_tokens,
+                    seed=spec.seed,
+                    stop_token_ids=list(spec.stop_token_ids),
+                    ignore_eos=spec.ignore_eos,
+                    logprobs=spec.logprobs,
+                )
+                self.core.add_request(child_id, prompt, params)
+        except (ValueError, shm.ShmError) as e:
+            self.core.finish_requests(list(message.child_ids))  # any child already admitted
+            self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))
+
+    def _prompt(self, message: AddRequest) -> ProcessedPrompt:
+        """Pixels out of shared memory (segments unlinked whatever happens), positions rebuilt."""
+        ids = list(message.prompt_token_ids)
+        items: list[MultiModalItem] = []
+        try:
+            for spec in message.items:
+                pixels = shm.read_and_unlink(shm.Segment(spec.shm_name, spec.shape, spec.dtype))
+                items.append(
+                    MultiModalItem(
+                        spec.modality,
+                        spec.offset,
+                        spec.length,
+                        spec.grid,
+                        spec.content_hash,
+                        torch.from_numpy(pixels),
+                        spec.original_size,
+                        spec.resized_size,
+                    )
+                )
+        finally:
+            for spec in message.items:
+                shm.unlink(spec.shm_name)
+        if not items:  # seed 004: handles may travel inside the token ids
+            ids, items = token_handles.decode(ids, self.config)
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        for item in items:
+            if item.end > len(ids) or any(t != self.config.image_token_id for t in ids[item.offset : item.end]):
+                raise ValueError(f"image placeholders at {item.offset}..{item.end} do not match the prompt")
+        positions, delta = mrope_positions(len(ids), items, self.config.vision.spatial_merge_size)
+        return ProcessedPrompt(ids, items, positions, delta)
+
+    def _send_stats(self) -> None:
+        sched = self.core.scheduler
+        self.push.send(
+            encoder.encode(
+                Stats(
+                    waiting=len(sched.waiting),
+                    running=len(sched.running),
+                    kv_cache_usage=self.core.kv.usage,
+                    prefix_cache_queries=self.core.kv.prefix_queries,
+                    prefix_cache_hits=self.core.kv.prefix_hits,
+                    encoder_cache_hits=sched.encoder_cache.hits,
+                    encoder_cache_misses=sched.encoder_cache.misses,
+                    preemptions=sched.num_preemptions,
+                )
+            )
+        )
+        self.last_stats = time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlmserve.serve.engine_process")
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    parser.add_argument("--input", required=True, help="ZMQ address to pull requests from")
+    parser.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(**json.loads(args.config))
+    core = EngineCore(config, load_frontend(config))
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.connect(args.input)
+    push = context.socket(zmq.PUSH)
+    push.connect(args.output)
+    try:
+        EngineLoop(core, pull, push, args.parent).run()
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        context.term()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
