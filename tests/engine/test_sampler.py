@@ -41,3 +41,18 @@ def test_temperature_sharpens() -> None:
     gens = [torch.Generator().manual_seed(i) for i in range(2000)]
     cold = Sampler()(logits, [SamplingParams(temperature=0.2)] * 2000, gens)
     assert sum(t == 0 for t in cold) / 2000 > 0.97  # p = 1 / (1 + e^-5) = 0.993
+
+
+def test_logprobs_of_the_sampled_token_and_the_top_ones() -> None:
+    from vlmserve.engine.sampler import token_logprobs
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])
+    info = token_logprobs(logits, [1, 2], [2, None])
+    expected = logits[0].log_softmax(-1)
+    assert info[1] is None
+    assert info[0] is not None and abs(info[0].logprob - float(expected[1])) < 1e-6
+    assert info[0].rank == 2  # token 1 is the second most likely
+    assert [t for t, _ in info[0].top] == [0, 1]
+    assert abs(info[0].top[0][1] - float(expected[0])) < 1e-6
+    zero = token_logprobs(logits, [3, 2], [0, 0])
+    assert zero[0] is not None and zero[0].top == [] and zero[0].rank == 4

@@ -262,3 +262,19 @@ def test_tight_memory_and_small_budget_change_nothing(tiny_dir: Path, cases, ref
     assert [o.outputs[0].token_ids for o in outputs] == reference * 2
     assert preemptions > 0
     assert free_blocks_are_all_back(llm)
+
+
+def test_logprobs(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
+    text = cases[3][0]
+    out = llm.generate(text, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
+    total = 0.0
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        chosen = entry[token_id]
+        assert chosen.rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3 and all(lp.logprob <= chosen.logprob for lp in entry.values())
+        assert chosen.decoded_token == llm.get_tokenizer().decode([token_id], skip_special_tokens=False)
+        total += chosen.logprob
+    assert out.cumulative_logprob is not None and abs(out.cumulative_logprob - total) < 1e-6
+    plain = llm.generate(text, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert plain.logprobs is None and plain.token_ids == out.token_ids

@@ -64,7 +64,7 @@ class ModelRunner:
             items = [request.mm_items[i] for request, i in step.encoder_inputs]
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):
                 self.encoder_cache[item.content_hash] = embeds
-        self.last_logprobs: dict[str, TokenLogprobs] = {}
+        self.last_logprobs = {}
         if not step.scheduled:
             return {}
 

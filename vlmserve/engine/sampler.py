@@ -43,12 +43,12 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | N
         return out
     logprobs = logits[rows].float().log_softmax(dim=-1)
     k = max(counts[i] or 0 for i in rows)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    top_values, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives empty tensors
     for j, i in enumerate(rows):
         chosen = logprobs[j, tokens[i]]
         rank = int((logprobs[j] > chosen).sum()) + 1
         n = counts[i] or 0
-        top = [] if top_ids is None else list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
+        top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
         out[i] = TokenLogprobs(float(chosen), rank, top)
     return out
 
