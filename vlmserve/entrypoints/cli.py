@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlmserve.bench.main import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from vlmserve.serve.server import main as serve_main
+
+        return serve_main(argv[1:])
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

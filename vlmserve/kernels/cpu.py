@@ -120,10 +120,21 @@ class CpuKernels:
         seq_lens = seq_lens.to(torch.int64).contiguous()
         out = torch.empty_like(q)
         self._lib.vlm_decode_attention(
-            q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], scale,
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_blocks,
+            block_size,
+            block_tables.shape[1],
+            scale,
             int(q.dtype == torch.bfloat16),
-        )  # fmt: skip
+        )
         return out
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +151,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request; yields its (cumulative) output after every step that changed it.
         Closing the iterator early (client gone) aborts the request and frees what it holds."""
         if not self.healthy:

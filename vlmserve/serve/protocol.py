@@ -1,0 +1,120 @@
+"""Request bodies of the OpenAI-compatible API, validated with the server's limits."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 512
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def check_text(value: str, param: str) -> str:
+    """Text must be valid Unicode (no lone surrogates) without NUL characters."""
+    if "\x00" in value:
+        raise APIError(400, f"{param} contains a NUL character", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} contains a lone surrogate (not valid Unicode)", param) from None
+    return value
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
+        return value
+
+    def sampling_params(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, max_n: int
+    ) -> SamplingParams:
+        if self.n > max_n:
+            raise APIError(400, f"n must be at most {max_n}", "n")
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=defaults.temperature if self.temperature is None else self.temperature,
+                top_p=defaults.top_p if self.top_p is None else self.top_p,
+                top_k=defaults.top_k if self.top_k is None else self.top_k,
+                max_tokens=max_tokens,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Literal[False] = False
+    suffix: None = None

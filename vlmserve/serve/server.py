@@ -1,0 +1,176 @@
+"""`vlmserve serve MODEL`: the OpenAI-compatible server.
+
+The API process (this one) runs FastAPI under uvicorn; the engine runs in a child process. On
+SIGTERM the server drains: requests in flight finish, new ones get 503, then both processes exit.
+If the engine process dies, requests in flight get an error (a stream gets an error event),
+/health answers 503, and the engine is started again, up to --max-engine-restarts times; after
+that the server keeps answering 503 until it is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.frontend import load_frontend
+from vlmserve.multimodal.media import MediaLimits
+from vlmserve.serve.app import build_app
+from vlmserve.serve.engine_client import EngineClient
+from vlmserve.serve.fetch import FetchPolicy
+from vlmserve.serve.metrics import Metrics
+from vlmserve.serve.serving import ServingContext
+
+logger = logging.getLogger("vlmserve.api")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id (default: the tiny one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--memory-budget-gib", type=float, default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--limit-images", type=int, default=8, help="images per request")
+    p.add_argument("--max-pixels", type=int, default=None, help="engine-wide cap on an image's resized pixels")
+    p.add_argument(
+        "--allowed-local-media-path",
+        type=Path,
+        default=None,
+        help="allow file:// and local paths, only under this folder (off by default)",
+    )
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], help="only fetch media from these domains")
+    p.add_argument(
+        "--allow-media-network",
+        action="append",
+        default=[],
+        metavar="CIDR[:PORT]",
+        help="a private network media may be fetched from (refused by default)",
+    )
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0)
+    p.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024)
+    p.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="refused before decoding above this")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--max-n", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
+    p.add_argument("--max-engine-restarts", type=int, default=3)
+    p.add_argument("--log-level", default="info")
+
+
+def _networks(specs: list[str]) -> tuple[tuple[Any, int | None], ...]:
+    out = []
+    for spec in specs:
+        cidr, _, port = spec.rpartition(":") if spec.count(":") == 1 or spec.endswith("]") else (spec, "", "")
+        network = ipaddress.ip_network((cidr or spec).strip("[]"), strict=False)
+        out.append((network, int(port) if port else None))
+    return tuple(out)
+
+
+def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
+    if args.model is None:
+        from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
+
+        args.model = str(default_checkpoint_dir())
+    GiB = 1 << 30
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        memory_budget_bytes=None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB),
+        kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GiB),
+        limit_mm_per_prompt={"image": args.limit_images},
+        mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
+        media_limits=MediaLimits(
+            max_bytes=args.max_media_bytes,
+            max_image_pixels=args.max_image_pixels,
+            fetch_timeout_s=args.media_fetch_timeout,
+            allowed_local_media_path=args.allowed_local_media_path,
+            allow_local_files=args.allowed_local_media_path is not None,
+        ),
+    )
+    frontend = load_frontend(config)
+    client = EngineClient(config, frontend, threads=args.engine_threads, max_restarts=args.max_engine_restarts)
+    ctx = ServingContext(
+        frontend=frontend,
+        client=client,
+        metrics=Metrics(),
+        media_limits=config.media_limits,
+        fetch_policy=FetchPolicy(
+            allowed_domains=tuple(args.allowed_media_domains),
+            allowed_networks=_networks(args.allow_media_network),
+            max_bytes=args.max_media_bytes,
+            timeout_s=args.media_fetch_timeout,
+        ),
+        model_name=args.served_model_name or Path(args.model).name,
+        max_n=args.max_n,
+    )
+    app, asgi = build_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        yield
+        await client.shutdown()
+
+    app.router.lifespan_context = lifespan
+    return app, asgi, client
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app, asgi, _ = build(args)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            asgi,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=60,
+            h11_max_incomplete_event_size=16 * 1024,
+            lifespan="on",
+        )
+    )
+    default_exit = server.handle_exit
+
+    def handle_exit(sig: int, frame: Any) -> None:
+        # Drain: new requests get 503 at once; uvicorn lets those in flight finish.
+        app.state.draining = True
+        logger.info("received %s: finishing requests in flight", signal.Signals(sig).name)
+        default_exit(sig, frame)
+
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
+    asyncio.run(server.serve())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vlmserve serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_intermixed_args(argv))
