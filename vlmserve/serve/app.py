@@ -3,7 +3,8 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Every error is answered in OpenAI's shape without tracebacks, addresses or paths. Pure-ASGI
 layers in front of the app, outermost first:
-  - body cap: 413 for a declared or streamed body over the limit, before any JSON is parsed;
+  - size caps: 431 for too many or too large headers; 413 for a declared or streamed body over
+    the limit, before any JSON is parsed;
   - API key: every path but /health and /metrics needs `Authorization: Bearer <key>`
     (compared in constant time), so no spelling of a path reaches an inference route without it;
   - admission: 503 while draining (SIGTERM) or while the engine is down, 429 past the queue limit.
@@ -43,13 +44,21 @@ async def _send_error(send: Callable[[Any], Awaitable[None]], error: APIError) -
     await send({"type": "http.response.body", "body": body})
 
 
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 16 * 1024
+
+
 def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
     async def middleware(
         scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
     ) -> None:
         if scope["type"] != "http":
             return await app(scope, receive, send)
-        for name, value in scope.get("headers", []):
+        headers = scope.get("headers", [])
+        if len(headers) > MAX_HEADERS or sum(len(n) + len(v) for n, v in headers) > MAX_HEADER_BYTES:
+            message = f"request headers are over the limit ({MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes)"
+            return await _send_error(send, APIError(431, message))
+        for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
                 return await _send_error(send, APIError(413, f"request body is over the {max_bytes}-byte limit"))
         seen = 0
