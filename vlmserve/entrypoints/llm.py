@@ -74,6 +74,15 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
+    def tokenize(self, inputs: list[dict[str, Any]]) -> list[int]:
+        """Seed 004's contract: [{"text": ...}, {"image": path or URL}, ...] to the chat-templated
+        prompt's token ids, each image's pixels in shared memory and its segment handle and grid
+        in its first two placeholder positions. Submit the ids as {"prompt_token_ids": ids} (here
+        or to a server's engine); the segments are released when they are read."""
+        from vlmserve.serve.token_handles import tokenize
+
+        return tokenize(self.llm_engine.frontend, inputs)
+
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt KV and image encodings (as vLLM's LLM.reset_prefix_cache)."""
         self.llm_engine.reset_prefix_cache()
@@ -108,6 +117,8 @@ class LLM:
         text = prompt.get("prompt_token_ids", prompt.get("prompt"))
         if not isinstance(text, (str, list)) or (isinstance(text, list) and not all(isinstance(t, int) for t in text)):
             raise ValueError(f"{where} needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
+        if isinstance(text, list) and any(t >= 1 << 61 for t in text):
+            return self._from_token_handles(text, where)
         mm_data = prompt.get("multi_modal_data") or {}
         unsupported = set(mm_data) - {"image"}
         if unsupported:
@@ -121,6 +132,21 @@ class LLM:
         sizing = ImageSizing(**kwargs)
         images = [ImageInput(src, sizing, f"{where}.multi_modal_data.image[{k}]") for k, src in enumerate(sources)]
         return processor.process(text, images)
+
+    def _from_token_handles(self, ids: list[int], where: str) -> ProcessedPrompt:
+        """Token ids carrying shared-memory handles (LLM.tokenize): pixels read, segments released."""
+        from vlmserve.multimodal.mrope import mrope_positions
+        from vlmserve.serve.token_handles import decode
+
+        config = self.llm_engine.model_config
+        try:
+            ids, items = decode(ids, config)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if len(ids) >= self.llm_engine.max_model_len:
+            raise ValueError(f"{where}: prompt of {len(ids)} tokens leaves no room within max_model_len")
+        positions, delta = mrope_positions(len(ids), items, config.vision.spatial_merge_size)
+        return ProcessedPrompt(ids, items, positions, delta)
 
     # -- chat -------------------------------------------------------------------------------------
 
