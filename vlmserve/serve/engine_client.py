@@ -156,31 +156,39 @@ class EngineClient:
         Closing the iterator early (client gone) aborts the request and frees what it holds."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
+        if request_id in self.queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        segments = [shm.write_array(item.pixel_values.numpy()) for item in prompt.mm_items]
-        self.segments[request_id] = [s.name for s in segments]
-        items = [
-            ItemSpec(
-                item.offset,
-                item.length,
-                item.grid_thw,
-                item.content_hash,
-                seg.name,
-                (seg.shape[0], seg.shape[1]),
-                item.original_size,
-                item.resized_size,
-                seg.dtype,
-                item.modality,
-            )
-            for item, seg in zip(prompt.mm_items, segments, strict=True)
-        ]
-        child_ids = self.output_processor.add_request(
-            request_id, prompt.prompt, prompt.prompt_token_ids, [item.length for item in prompt.mm_items], params
-        )
-        specs = [self._spec(params.for_child(i)) for i in range(len(child_ids))]
+        names: list[str] = []
+        self.segments[request_id] = names
         finished = False
+        submitted = False
         try:
+            segments = []
+            for item in prompt.mm_items:
+                segments.append(shm.write_array(item.pixel_values.numpy()))
+                names.append(segments[-1].name)
+            items = [
+                ItemSpec(
+                    item.offset,
+                    item.length,
+                    item.grid_thw,
+                    item.content_hash,
+                    seg.name,
+                    (seg.shape[0], seg.shape[1]),
+                    item.original_size,
+                    item.resized_size,
+                    seg.dtype,
+                    item.modality,
+                )
+                for item, seg in zip(prompt.mm_items, segments, strict=True)
+            ]
+            child_ids = self.output_processor.add_request(
+                request_id, prompt.prompt, prompt.prompt_token_ids, [item.length for item in prompt.mm_items], params
+            )
+            submitted = True
+            specs = [self._spec(params.for_child(i)) for i in range(len(child_ids))]
             await self._push.send(
                 encoder.encode(AddRequest(request_id, child_ids, specs, prompt.prompt_token_ids, items))
             )
@@ -195,7 +203,7 @@ class EngineClient:
                     return
         finally:
             self.queues.pop(request_id, None)
-            if not finished:
+            if submitted and not finished:
                 await self.abort(request_id)
             # The engine unlinks segments it took; any it never took go here.
             for name in self.segments.pop(request_id, []):
