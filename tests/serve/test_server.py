@@ -151,3 +151,14 @@ def test_models_health_and_metrics(server: Server, client: openai.OpenAI) -> Non
         "vlmserve_encoder_cache_hits",
     ):
         assert name in metrics
+
+
+def test_n_samples_share_one_image(client: openai.OpenAI) -> None:
+    messages = image_message(data_url(picture(9)), "Several answers, please.")
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, n=3, temperature=1.0, top_p=1.0, seed=3, extra_body={"top_k": 0}
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage is not None and reply.usage.completion_tokens <= 18
+    assert len({c.message.content for c in reply.choices}) > 1
+    assert segments_left() == []

@@ -68,6 +68,7 @@ def test_the_engine_process_decodes_handles(tiny_dir: Path, llm: LLM, image_file
     async def run() -> list[int]:
         config = EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=4096, kv_cache_memory_bytes=32 << 20)
         client = EngineClient(config, load_frontend(config))
+        assert client._dir.stat().st_mode & 0o777 == 0o700  # the engine sockets: this user only
         await client.start()
         try:
             final = None
