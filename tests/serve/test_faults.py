@@ -3,7 +3,6 @@ an engine that dies, an API process that dies, SIGTERM, overload, a crashed run'
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.serve.conftest import Server, data_url, image_message, picture, segments_left, start_server
+from tests.serve.upstream import serve
 from vlmserve.serve import shm
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -56,26 +56,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def drip() -> Iterator[int]:
-    """A server that answers one byte per second."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
-            pass
-
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            try:
-                for _ in range(100):
-                    self.wfile.write(b"x")
-                    self.wfile.flush()
-                    time.sleep(1)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    """A media host that answers one byte per second."""
+    httpd, _ = serve(drip_interval=1.0)
     yield httpd.server_address[1]
     httpd.shutdown()
 
@@ -148,7 +130,7 @@ def test_client_leaving_while_queued(small: Server) -> None:
 
 
 def test_client_leaving_while_its_media_is_fetched(small: Server, drip: int) -> None:
-    body = {"messages": image_message(f"http://127.0.0.1:{drip}/slow.png"), "max_tokens": 2}
+    body = {"messages": image_message(f"http://127.0.0.1:{drip}/drip"), "max_tokens": 2}
     post_then_leave(small, body, after=1.5)
     assert wait_idle(small) < 3
     assert segments_left() == []

@@ -3,86 +3,27 @@ media folder (as an operator might), one restricted to an allowed-domains list."
 
 from __future__ import annotations
 
-import gzip
-import http.server
-import threading
+import io
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
 from tests.serve.conftest import Server, data_url, image_message, picture, start_server
 from tests.serve.test_bad_inputs import chat, check_error
+from tests.serve.upstream import serve
 
 PNG = picture(8, size=(64, 48))
-
-
-class Upstream(http.server.BaseHTTPRequestHandler):
-    hits: ClassVar[list[str]] = []  # each subclass gets its own list
-    png = b""
-
-    def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
-        pass
-
-    def do_GET(self) -> None:
-        self.hits.append(self.path)
-        if self.path == "/ok.png":
-            self._send(200, self.png)
-        elif self.path.startswith("/to/"):
-            self._send(302, b"", {"Location": self.path.removeprefix("/to/")})
-        elif self.path == "/loop":
-            self._send(302, b"", {"Location": "/loop"})
-        elif self.path in ("/404", "/403"):
-            self._send(int(self.path[1:]), b"no")
-        elif self.path == "/500":
-            self._send(500, b"oops")
-        elif self.path == "/huge":
-            self.send_response(200)
-            self.send_header("Content-Length", str(10**12))
-            self.end_headers()
-        elif self.path == "/bomb":
-            self._send(200, gzip.compress(b"\0" * (100 << 20)), {"Content-Encoding": "gzip"})
-        elif self.path == "/drip":
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            try:
-                for _ in range(100):
-                    self.wfile.write(b"x")
-                    self.wfile.flush()
-                    time.sleep(0.5)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-        else:
-            self._send(404, b"")
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-def _serve(handler: type) -> http.server.ThreadingHTTPServer:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd
 
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[tuple[int, int, list[str]]]:
     """(trusted port, untrusted port, hits of the untrusted one)."""
-    import io
-
     buf = io.BytesIO()
     PNG.save(buf, format="PNG")
-    trusted = _serve(type("Trusted", (Upstream,), {"hits": [], "png": buf.getvalue()}))
-    untrusted_hits: list[str] = []
-    untrusted = _serve(type("Untrusted", (Upstream,), {"hits": untrusted_hits, "png": buf.getvalue()}))
+    trusted, _ = serve(buf.getvalue(), drip_interval=0.5)
+    untrusted, untrusted_hits = serve(buf.getvalue())
     yield trusted.server_address[1], untrusted.server_address[1], untrusted_hits
     trusted.shutdown()
     untrusted.shutdown()
@@ -146,9 +87,9 @@ def test_redirects_to_untrusted_addresses_are_refused_at_the_hop(open_server: Se
 @pytest.mark.parametrize(
     ("path", "status_code", "match", "code"),
     [
-        ("/404", 400, "answered 404", "invalid_media_url"),
-        ("/403", 400, "answered 403", "invalid_media_url"),
-        ("/500", 400, "failed \\(500\\)", "media_upstream_error"),
+        ("/status/404", 400, "answered 404", "invalid_media_url"),
+        ("/status/403", 400, "answered 403", "invalid_media_url"),
+        ("/status/500", 400, "failed \\(500\\)", "media_upstream_error"),
         ("/huge", 400, "over the 1048576-byte limit", "media_too_large"),
         ("/bomb", 400, "over the 1048576-byte limit", "media_too_large"),
         ("/drip", 400, "timed out after 2s", "media_fetch_timeout"),
