@@ -62,6 +62,7 @@ def test_64_concurrent_streams_with_images(tiny_dir: Path, tmp_path: Path) -> No
         alone = [
             llm.chat(c, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text for c in conversations
         ]
+        print(f"\nAPI + engine RSS around {CONCURRENT} concurrent image streams: {before:.0f} MiB -> {after:.0f} MiB")
         assert texts == alone
         assert segments_left() == []
         assert after - before < 64, f"RSS grew from {before:.0f} MiB to {after:.0f} MiB"
