@@ -26,10 +26,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
-
-    def query_len(self, i: int) -> int:
-        return self.query_start_loc[i + 1] - self.query_start_loc[i]

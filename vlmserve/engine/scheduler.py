@@ -42,10 +42,6 @@ class SchedulerOutput:
     # Encoder outputs (by content hash) the runner may drop.
     free_encoder_hashes: list[str] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -20,7 +19,6 @@ import sys
 import tempfile
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
@@ -76,9 +74,7 @@ class EngineClient:
         self.segments: dict[str, list[str]] = {}  # request id -> segments the engine may not have taken yet
         self.stats: Stats | None = None
         self.ready = asyncio.Event()
-        self.dead = False  # gave up on the engine for good
         self.memory_plan = ""
-        self._ids = itertools.count()
         self._dir = Path(tempfile.mkdtemp(prefix="vlmserve-ipc-"))  # 0700: only this user reaches the sockets
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
@@ -145,9 +141,6 @@ class EngineClient:
         return None if self._process is None else self._process.pid
 
     # -- requests ---------------------------------------------------------------------------------
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     async def generate(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
@@ -292,13 +285,9 @@ class EngineClient:
                 shm.unlink(name)
         self.segments.clear()
         if self.restarts >= self.max_restarts:
-            self.dead = True
             self._process = None
             logger.error("the engine died %d times; not restarting it", self.restarts + 1)
             raise asyncio.CancelledError
         self.restarts += 1
         logger.warning("restarting the engine (restart %d of %d)", self.restarts, self.max_restarts)
         self._spawn()
-
-    def status(self) -> dict[str, Any]:
-        return {"ready": self.healthy, "restarts": self.restarts, "engine_pid": self.engine_pid}

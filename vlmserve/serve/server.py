@@ -119,7 +119,6 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         frontend=frontend,
         client=client,
         metrics=Metrics(),
-        media_limits=config.media_limits,
         fetch_policy=FetchPolicy(
             allowed_domains=tuple(args.allowed_media_domains),
             allowed_networks=_networks(args.allow_media_network),

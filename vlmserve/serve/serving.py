@@ -15,7 +15,7 @@ from typing import Any
 
 from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.multimodal.media import MediaError, MediaLimits
+from vlmserve.multimodal.media import MediaError
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.processor.chat import parse_chat_messages
 from vlmserve.processor.qwen2_vl import ImageInput
@@ -31,7 +31,6 @@ class ServingContext:
     frontend: Frontend
     client: EngineClient
     metrics: Metrics
-    media_limits: MediaLimits
     fetch_policy: FetchPolicy
     model_name: str
     max_n: int = 8
@@ -169,10 +168,7 @@ class Serving:
 
     async def chat_response(self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams) -> dict:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        final = None
-        async for output in self._outputs(request_id, prompt, params):
-            final = output
-        assert final is not None
+        final = await self._last(request_id, prompt, params)
         return {
             "id": request_id,
             "object": "chat.completion",
