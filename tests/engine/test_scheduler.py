@@ -206,3 +206,10 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     # Only the block a took from b was evicted: b finds 2 of its blocks and recomputes 5 tokens.
     assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 5)]
     assert b.num_cached_tokens == 8
+
+
+def test_an_empty_request_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        make_scheduler().add_request(make_request("empty", 0))

@@ -278,3 +278,14 @@ def test_logprobs(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     assert out.cumulative_logprob is not None and abs(out.cumulative_logprob - total) < 1e-6
     plain = llm.generate(text, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids == out.token_ids
+
+
+def test_empty_and_out_of_range_prompts_are_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate({"prompt_token_ids": []}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"token ids must be in 0..151935; position 1 holds 1000000"):
+        llm.generate({"prompt_token_ids": [5, 10**6]}, SamplingParams(max_tokens=2))
+    assert free_blocks_are_all_back(llm)
+    assert len(llm.generate("still here", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2

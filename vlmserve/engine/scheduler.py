@@ -57,6 +57,8 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, item_lengths: list[int]) -> None:
         """Refuse, with the numbers, a request that could never be scheduled."""
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
         needed = self.kv.blocks_needed(num_prompt_tokens + 1)
         if needed > self.kv.pool.num_blocks:
             raise ValueError(

@@ -92,6 +92,12 @@ class Qwen2VLProcessor:
         as the chat template writes it); each is expanded to the image's token count."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.text.vocab_size
+        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}; position {bad} holds {token_ids[bad]}")
         image_id = self.config.image_token_id
         if self.config.video_token_id in token_ids:
             raise ValueError("video input is not supported yet; the prompt holds <|video_pad|>")

@@ -240,15 +240,12 @@ class Serving:
             batch = list(raw)  # type: ignore[arg-type]
         if len(batch) > self.ctx.max_n:
             raise APIError(400, f"at most {self.ctx.max_n} prompts per request", "prompt")
-        vocab = self.frontend.model_config.text.vocab_size
         prompts = []
         for i, p in enumerate(batch):
             param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
             if isinstance(p, str):
                 check_text(p, param)
-            elif not p or any(not 0 <= t < vocab for t in p):
-                raise APIError(400, f"{param}: token ids must be in 0..{vocab - 1}", param)
-            prompts.append(await self._process(p, [], param))
+            prompts.append(await self._process(p, [], param))  # the processor checks token ids
         return prompts, params
 
     async def completion_response(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> dict:
