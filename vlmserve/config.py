@@ -68,6 +68,9 @@ class VisionConfig:
     spatial_merge_size: int
     hidden_act: str
     rope_theta: float
+    # Qwen2.5-VL: temporal M-RoPE positions per second of video (absolute time); None for Qwen2-VL,
+    # whose video frames advance the temporal position by one per temporal patch.
+    tokens_per_second: float | None = None
 
     @property
     def head_dim(self) -> int:

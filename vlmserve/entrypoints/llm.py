@@ -145,7 +145,9 @@ class LLM:
             raise ValueError(f"{where}: {e}") from None
         if len(ids) >= self.llm_engine.max_model_len:
             raise ValueError(f"{where}: prompt of {len(ids)} tokens leaves no room within max_model_len")
-        positions, delta = mrope_positions(len(ids), items, config.vision.spatial_merge_size)
+        positions, delta = mrope_positions(
+            len(ids), items, config.vision.spatial_merge_size, config.vision.tokens_per_second
+        )
         return ProcessedPrompt(ids, items, positions, delta)
 
     # -- chat -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class MultiModalItem:
-    modality: str  # "image" (video arrives with issue 5)
+    modality: str  # "image" or "video"
     # Placeholder tokens occupy prompt_token_ids[offset : offset + length].
     offset: int
     length: int
@@ -19,6 +19,9 @@ class MultiModalItem:
     pixel_values: torch.Tensor  # [t * h * w, patch_dim] float32, in patch order
     original_size: tuple[int, int]  # (width, height)
     resized_size: tuple[int, int]  # (width, height)
+    # Videos: seconds covered by one temporal patch (temporal_patch_size / sampled fps); Qwen2.5-VL
+    # spaces a video's temporal positions by it. None for images.
+    second_per_grid_t: float | None = None
 
     @property
     def end(self) -> int:

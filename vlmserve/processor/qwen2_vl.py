@@ -159,7 +159,7 @@ class Qwen2VLProcessor:
             )
             expanded.extend([image_id] * counts[k])
             k += 1
-        positions, delta = mrope_positions(len(expanded), items, self.merge_size)
+        positions, delta = mrope_positions(len(expanded), items, self.merge_size, self.config.vision.tokens_per_second)
         return ProcessedPrompt(
             prompt_token_ids=expanded, mm_items=items, mrope_positions=positions, mrope_delta=delta, prompt=text
         )

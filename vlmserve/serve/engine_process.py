@@ -147,7 +147,9 @@ class EngineLoop:
         for item in items:
             if item.end > len(ids) or any(t != self.config.image_token_id for t in ids[item.offset : item.end]):
                 raise ValueError(f"image placeholders at {item.offset}..{item.end} do not match the prompt")
-        positions, delta = mrope_positions(len(ids), items, self.config.vision.spatial_merge_size)
+        positions, delta = mrope_positions(
+            len(ids), items, self.config.vision.spatial_merge_size, self.config.vision.tokens_per_second
+        )
         return ProcessedPrompt(ids, items, positions, delta)
 
     def _send_stats(self) -> None:
