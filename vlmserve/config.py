@@ -15,6 +15,12 @@ from typing import Any
 
 import torch
 
+# model_type -> the architecture a config.json without `architectures` means.
+_ARCHITECTURES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -71,6 +77,13 @@ class VisionConfig:
     # Qwen2.5-VL: temporal M-RoPE positions per second of video (absolute time); None for Qwen2-VL,
     # whose video frames advance the temporal position by one per temporal patch.
     tokens_per_second: float | None = None
+    # Qwen2.5-VL: width of the vision blocks' SwiGLU MLP (Qwen2-VL's GELU MLP is embed_dim * mlp_ratio).
+    intermediate_size: int | None = None
+    # Qwen2.5-VL window attention: most blocks attend within windows of window_size x window_size
+    # pixels of a frame; the blocks in fullatt_block_indexes attend over the whole frame. None for
+    # Qwen2-VL, whose blocks all attend over the whole frame.
+    window_size: int | None = None
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -79,6 +92,12 @@ class VisionConfig:
     @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merged_window_size(self) -> int:
+        """Window side in merged tokens (window_size 112, patch 14, merge 2: 4 x 4 merged tokens)."""
+        assert self.window_size is not None, "Qwen2-VL has no window attention"
+        return self.window_size // self.patch_size // self.spatial_merge_size
 
 
 @dataclass(frozen=True)
@@ -97,13 +116,25 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
-        if model_type not in ("qwen2_vl",):
-            raise ValueError(f"unsupported model_type {model_type!r}; vlmserve runs qwen2_vl checkpoints")
-        architectures = raw.get("architectures") or ["Qwen2VLForConditionalGeneration"]
+        if model_type not in _ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; vlmserve runs {' and '.join(_ARCHITECTURES)} checkpoints"
+            )
+        architectures = raw.get("architectures") or [_ARCHITECTURES[model_type]]
         # transformers 5 nests the language model's fields; 4.x keeps them at the top level.
         text_raw: dict[str, Any] = raw.get("text_config") or raw
         text = _parse_text_config(text_raw, raw)
-        vision = _parse_vision_config(raw.get("vision_config") or {}, text.hidden_size)
+        vision_raw = raw.get("vision_config") or {}
+        vision = (
+            _parse_qwen2_5_vision_config(vision_raw, text.hidden_size)
+            if model_type == "qwen2_5_vl"
+            else _parse_vision_config(vision_raw, text.hidden_size)
+        )
+        if vision.hidden_size != text.hidden_size:
+            raise ValueError(
+                f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
+                f"model's hidden_size {text.hidden_size}"
+            )
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or text_raw.get("torch_dtype") or text_raw.get("dtype")
         return cls(
             model_type=model_type,
@@ -175,3 +206,39 @@ def _parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> VisionConf
         hidden_act=v.get("hidden_act", "quick_gelu"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
+
+
+def _parse_qwen2_5_vision_config(v: dict[str, Any], text_hidden_size: int) -> VisionConfig:
+    """Qwen2.5-VL names the vision tower's own width `hidden_size` and the merger's output width
+    `out_hidden_size` (Qwen2-VL: `embed_dim` and `hidden_size`). Defaults as transformers'
+    Qwen2_5_VLVisionConfig, except that a missing output width is the language model's."""
+    rope = v.get("rope_parameters") or {}
+    config = VisionConfig(
+        depth=int(v.get("depth", 32)),
+        embed_dim=int(v.get("hidden_size", 3584)),
+        num_heads=int(v.get("num_heads", 16)),
+        mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
+        hidden_size=int(v.get("out_hidden_size", text_hidden_size)),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        hidden_act=v.get("hidden_act", "silu"),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tokens_per_second=float(v.get("tokens_per_second", 4)),
+        intermediate_size=int(v.get("intermediate_size", 3420)),
+        window_size=int(v.get("window_size", 112)),
+        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+    )
+    if config.merged_window_size < 1:
+        raise ValueError(
+            f"config.json: vision_config.window_size {config.window_size} must be at least patch_size * "
+            f"spatial_merge_size = {config.patch_size * config.spatial_merge_size} pixels"
+        )
+    bad = [i for i in config.fullatt_block_indexes if not 0 <= i < config.depth]
+    if bad:
+        raise ValueError(
+            f"config.json: vision_config.fullatt_block_indexes {list(config.fullatt_block_indexes)} name blocks "
+            f"outside 0..{config.depth - 1}"
+        )
+    return config

@@ -15,10 +15,12 @@ from vlmserve.kernels import select_linear_op
 from vlmserve.model_files import iterate_weights
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import bind_linear_op
+from vlmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[VLModel]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

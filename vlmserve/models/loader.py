@@ -16,7 +16,8 @@ class WeightTable:
     renames: tuple[tuple[str, str], ...] = ()
     # Checkpoint module name -> (fused module name, shard id), e.g. "q_proj" -> ("qkv_proj", "q").
     packed: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # Fused module name -> shard id -> (start, size) along the parameter's first dimension.
+    # (Fused parameter's full name, shard id) -> (start, size) along its first dimension; the full
+    # name tells apart fused modules of one name in different towers (decoder vs vision MLP).
     shards: Callable[[str, str], tuple[int, int]] | None = None
     # Reshape a checkpoint tensor for our parameter (e.g. Conv3d kernel -> Linear weight).
     reshape: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
@@ -55,7 +56,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             loaded.add(name)
         else:
             assert table.shards is not None
-            start, size = table.shards(name.rsplit(".", 2)[-2], shard)
+            start, size = table.shards(name, shard)
             target = param.data.narrow(0, start, size)
             loaded.add(f"{name}#{shard}")
         if target.shape != tensor.shape:

@@ -3,6 +3,8 @@ attention confined to each image frame by cu_seqlens, and the 2x2 patch merger."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -93,14 +95,20 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchMerger(nn.Module):
-    """LayerNorm each patch, concatenate each 2x2 block (contiguous in patch order), then a
-    two-layer GELU MLP to the language model's width."""
+def _layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
 
-    def __init__(self, out_dim: int, context_dim: int, merge_size: int) -> None:
+
+class PatchMerger(nn.Module):
+    """Normalise each patch (LayerNorm; Qwen2.5-VL: RMSNorm), concatenate each 2x2 block
+    (contiguous in patch order), then a two-layer GELU MLP to the language model's width."""
+
+    def __init__(
+        self, out_dim: int, context_dim: int, merge_size: int, norm: Callable[[int], nn.Module] = _layer_norm
+    ) -> None:
         super().__init__()
         self.hidden = context_dim * merge_size**2
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm(context_dim)
         self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ Qwen2 decoder with M-RoPE."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
+from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.attention.metadata import AttentionMetadata
@@ -19,10 +21,14 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
+    # Built from (config.vision, backend); maps (pixel_values, grid_thw) to the merged embeddings.
+    # Qwen2.5-VL swaps in its windowed tower.
+    vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.visual = Qwen2VisionTransformer(config.vision, backend)
+        self.visual = self.vision_tower(config.vision, backend)
         self.model = Qwen2Model(config.text, backend)
         # Tied checkpoints get their lm_head in tie_weights(), once the embedding is allocated.
         self.lm_head: Linear | None = (
@@ -95,7 +101,7 @@ class Qwen2VLForConditionalGeneration(VLModel):
                 "gate_proj": ("gate_up_proj", "0"),
                 "up_proj": ("gate_up_proj", "1"),
             },
-            shards=lambda module, shard: offsets[(module, shard)],
+            shards=lambda param, shard: offsets[(param.rsplit(".", 2)[-2], shard)],
             reshape={"visual.patch_embed.proj.weight": lambda w: w.reshape(embed_dim, -1)},
             ignore=lambda name: (
                 name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
