@@ -75,3 +75,78 @@ def images() -> dict[str, Image.Image]:
         "small": random_image(40, 30, seed=3),
         "odd": random_image(123, 77, seed=4),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2.5-VL (QWEN2_5_VL_SPEC): four vision blocks, windows of 4 x 4 merged tokens in blocks
+    0 and 2, whole frames in 1 and 3; tied embeddings, transformers 4.x flat config, one
+    safetensors file: the Qwen2.5-VL-3B-Instruct layout."""
+    from vlmserve.tools.tiny_checkpoint import QWEN2_5_VL_SPEC
+
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2_5-vl", QWEN2_5_VL_SPEC)
+
+
+@pytest.fixture(scope="session")
+def hf25_model(tiny25_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tiny25_dir), dtype=torch.float32).eval()
+
+
+# -- test videos ---------------------------------------------------------------------------------
+
+
+def frame_color(index: int) -> tuple[int, int, int]:
+    """The colour of the top half of test-video frame `index` (modulo 512): its three octal
+    digits, in steps of 32 in red, green and blue, far enough apart to survive a lossy codec."""
+    return 32 * (index % 8) + 16, 32 * (index // 8 % 8) + 16, 32 * (index // 64 % 8) + 16
+
+
+def color_index(top_half_rgb: np.ndarray) -> int:
+    """The frame index frame_color encoded, read back from the mean colour of a frame's top half."""
+    digits = [round((float(v) - 16) / 32) for v in top_half_rgb.reshape(-1, 3).mean(axis=0)]
+    return digits[0] + 8 * digits[1] + 64 * digits[2]
+
+
+def video_frame(index: int, width: int, height: int) -> np.ndarray:
+    """[height, width, 3] uint8: frame_color(index) on top, a gradient below (so resizing has
+    structure to work on)."""
+    frame = np.empty((height, width, 3), np.uint8)
+    frame[: height // 2] = frame_color(index)
+    gradient = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    frame[height // 2 :] = np.broadcast_to(gradient, (height - height // 2, width, 3)).astype(np.uint8)
+    return frame
+
+
+def write_video(
+    num_frames: int,
+    fps: int = 24,
+    width: int = 64,
+    height: int = 48,
+    codec: str = "mpeg4",
+    container: str = "mp4",
+    codec_options: dict[str, str] | None = None,
+    gop_size: int | None = None,
+) -> bytes:
+    """A small video made with PyAV whose frame i shows video_frame(i)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.bit_rate = 2_000_000
+        if gop_size is not None:
+            stream.codec_context.gop_size = gop_size
+        if codec_options:
+            stream.codec_context.options = codec_options
+        for i in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(video_frame(i, width, height), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

@@ -1,4 +1,4 @@
-"""Write tiny random-weight Qwen2-VL checkpoints in the exact Hugging Face hub layout.
+"""Write tiny random-weight Qwen2-VL and Qwen2.5-VL checkpoints in the exact Hugging Face hub layout.
 
 Real weights cannot be downloaded where vlmserve is developed and tested, so tests and the demo
 run on these: config.json, generation_config.json, preprocessor_config.json, tokenizer.json (the
@@ -12,14 +12,16 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from vlmserve.tools.tiktoken_to_hf import write_tokenizer_files
 
-# The published Qwen2-VL-Instruct chat template (tokenizer_config.json / chat_template.json).
+# The published Qwen2-VL-Instruct chat template (tokenizer_config.json / chat_template.json);
+# Qwen2.5-VL-Instruct publish the same one.
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -70,6 +72,16 @@ class TinySpec:
     vision_mlp_ratio: int = 4
     tie_word_embeddings: bool = True
     dtype: str = "bfloat16"
+    # "qwen2_vl" or "qwen2_5_vl"; the fields below shape Qwen2.5-VL's vision tower only.
+    arch: str = "qwen2_vl"
+    vision_intermediate_size: int = 64  # the SwiGLU MLP's width
+    # 112 px windows = 4 x 4 merged tokens (patch 14, merge 2); the listed blocks attend over whole frames.
+    vision_window_size: int = 112
+    vision_fullatt_block_indexes: tuple[int, ...] = (1,)
+    tokens_per_second: int = 2
+
+
+ARCHES = ("qwen2_vl", "qwen2_5_vl")
 
 
 # The benchmark checkpoint: Qwen2-VL-2B's language-model width (hidden 1536, MLP 8960, 12 query /
@@ -85,6 +97,24 @@ BENCH_SPEC = TinySpec(
     vision_embed_dim=320,
     vision_num_heads=5,
 )
+
+# A Qwen2.5-VL as small as TinySpec's, with four vision blocks (two windowed, two full-frame) so that
+# window attention and the full-attention blocks both shape the output.
+QWEN2_5_VL_SPEC = TinySpec(arch="qwen2_5_vl", vision_depth=4, vision_fullatt_block_indexes=(1, 3))
+# BENCH_SPEC with Qwen2.5-VL's vision tower: the SwiGLU 3420 / 1280 times the tower's width.
+QWEN2_5_VL_BENCH_SPEC = replace(
+    BENCH_SPEC, arch="qwen2_5_vl", vision_intermediate_size=856, vision_fullatt_block_indexes=(1, 3)
+)
+# (arch, preset) -> spec, for `vlmserve make-tiny --arch ... --preset ...`.
+PRESETS = {
+    ("qwen2_vl", "tiny"): TinySpec(),
+    ("qwen2_vl", "bench"): BENCH_SPEC,
+    ("qwen2_5_vl", "tiny"): QWEN2_5_VL_SPEC,
+    ("qwen2_5_vl", "bench"): QWEN2_5_VL_BENCH_SPEC,
+}
+
+
+_ARCHITECTURE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def _config(spec: TinySpec, nested: bool) -> dict[str, object]:
@@ -104,21 +134,43 @@ def _config(spec: TinySpec, nested: bool) -> dict[str, object]:
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     }
-    vision = {
-        "depth": spec.vision_depth,
-        "embed_dim": spec.vision_embed_dim,
-        "mlp_ratio": spec.vision_mlp_ratio,
-        "num_heads": spec.vision_num_heads,
-        "in_chans": 3,
-        "hidden_size": spec.hidden_size,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "spatial_patch_size": 14,
-        "temporal_patch_size": 2,
-    }
+    if spec.arch not in ARCHES:
+        raise ValueError(f"unknown arch {spec.arch!r}; choose one of {ARCHES}")
+    vision: dict[str, object]
+    if spec.arch == "qwen2_5_vl":
+        # As Qwen2.5-VL-*-Instruct publish it: hidden_size is the tower's own width here.
+        vision = {
+            "depth": spec.vision_depth,
+            "hidden_act": "silu",
+            "hidden_size": spec.vision_embed_dim,
+            "intermediate_size": spec.vision_intermediate_size,
+            "num_heads": spec.vision_num_heads,
+            "in_chans": 3,
+            "out_hidden_size": spec.hidden_size,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": spec.vision_window_size,
+            "fullatt_block_indexes": list(spec.vision_fullatt_block_indexes),
+            "tokens_per_second": spec.tokens_per_second,
+            "temporal_patch_size": 2,
+        }
+    else:
+        vision = {
+            "depth": spec.vision_depth,
+            "embed_dim": spec.vision_embed_dim,
+            "mlp_ratio": spec.vision_mlp_ratio,
+            "num_heads": spec.vision_num_heads,
+            "in_chans": 3,
+            "hidden_size": spec.hidden_size,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "temporal_patch_size": 2,
+        }
     common = {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
+        "architectures": [_ARCHITECTURE[spec.arch]],
+        "model_type": spec.arch,
         "vision_start_token_id": 151652,
         "vision_end_token_id": 151653,
         "vision_token_id": 151654,
@@ -178,6 +230,9 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
 
     e = spec.vision_embed_dim
     w["visual.patch_embed.proj.weight"] = torch.randn(e, 3, 2, 14, 14, generator=g) / (3 * 2 * 14 * 14) ** 0.5
+    if spec.arch == "qwen2_5_vl":
+        w |= _qwen2_5_vision_weights(spec, linear, vec)
+        return {name: t.to(dtype).contiguous() for name, t in w.items()}
     for block in range(spec.vision_depth):
         p = f"visual.blocks.{block}."
         mlp = e * spec.vision_mlp_ratio
@@ -204,6 +259,38 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         "visual.merger.mlp.2.bias": vec(h),
     }
     return {name: t.to(dtype).contiguous() for name, t in w.items()}
+
+
+def _qwen2_5_vision_weights(
+    spec: TinySpec, linear: Callable[[int, int], torch.Tensor], vec: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Qwen2.5-VL's vision blocks and merger: RMSNorms (no bias), a SwiGLU MLP with biases."""
+    e, mlp, h = spec.vision_embed_dim, spec.vision_intermediate_size, spec.hidden_size
+    w: dict[str, torch.Tensor] = {}
+    for block in range(spec.vision_depth):
+        p = f"visual.blocks.{block}."
+        w |= {
+            p + "norm1.weight": vec(e, 1.0, 0.1),
+            p + "norm2.weight": vec(e, 1.0, 0.1),
+            p + "attn.qkv.weight": linear(3 * e, e),
+            p + "attn.qkv.bias": vec(3 * e, std=0.1),
+            p + "attn.proj.weight": linear(e, e),
+            p + "attn.proj.bias": vec(e),
+            p + "mlp.gate_proj.weight": linear(mlp, e),
+            p + "mlp.gate_proj.bias": vec(mlp),
+            p + "mlp.up_proj.weight": linear(mlp, e),
+            p + "mlp.up_proj.bias": vec(mlp),
+            p + "mlp.down_proj.weight": linear(e, mlp),
+            p + "mlp.down_proj.bias": vec(e),
+        }
+    w |= {
+        "visual.merger.ln_q.weight": vec(e, 1.0, 0.1),
+        "visual.merger.mlp.0.weight": linear(4 * e, 4 * e),
+        "visual.merger.mlp.0.bias": vec(4 * e),
+        "visual.merger.mlp.2.weight": linear(h, 4 * e),
+        "visual.merger.mlp.2.bias": vec(h),
+    }
+    return w
 
 
 def _save_weights(weights: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
@@ -266,7 +353,8 @@ def write_tiny_qwen2_vl(
     num_shards: int = 1,
     chat_template_in: str = "tokenizer_config.json",
 ) -> Path:
-    """Write a tiny Qwen2-VL checkpoint into `out_dir` (created; written atomically)."""
+    """Write a tiny Qwen2-VL checkpoint, or Qwen2.5-VL with spec.arch "qwen2_5_vl" (e.g.
+    QWEN2_5_VL_SPEC), into `out_dir` (created; written atomically)."""
     if chat_template_in not in ("tokenizer_config.json", "chat_template.json", "chat_template.jinja"):
         raise ValueError(f"chat_template_in must name a file the template can live in, got {chat_template_in!r}")
     out = Path(out_dir)
@@ -294,7 +382,7 @@ def write_tiny_qwen2_vl(
                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
                 "image_std": [0.26862954, 0.26130258, 0.27577711],
                 "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2VLProcessor",
+                "processor_class": "Qwen2_5_VLProcessor" if spec.arch == "qwen2_5_vl" else "Qwen2VLProcessor",
             },
             "tokenizer_config.json": _tokenizer_config(chat_template_in == "tokenizer_config.json"),
         }
