@@ -167,7 +167,7 @@ def test_requests_that_can_never_fit_are_refused() -> None:
     s = make_scheduler(num_blocks=4, block_size=4, encoder_cache=10)
     with pytest.raises(ValueError, match=r"needs 5 KV blocks \(17 prompt tokens \+ 1, 4 per block\).*4 in all"):
         s.add_request(make_request("big", 17))
-    with pytest.raises(ValueError, match="image of 12 tokens exceeds the encoder cache \\(10 tokens\\)"):
+    with pytest.raises(ValueError, match="an image or video of 12 tokens exceeds the encoder cache \\(10 tokens\\)"):
         s.add_request(make_request("img", 14, images=[(1, 12, "h")]))
     assert not s.requests
 

@@ -19,7 +19,8 @@ def test_normalises_parts_and_collects_images() -> None:
         },
         {"role": "assistant", "content": None},
     ]
-    rendered, images = parse_chat_messages(messages)
+    rendered, images, videos = parse_chat_messages(messages)
+    assert videos == []
     assert rendered[1]["content"] == [
         {"type": "text", "text": "plain string part"},
         {"type": "image"},
@@ -38,7 +39,7 @@ def test_normalises_parts_and_collects_images() -> None:
         ([], "non-empty list"),
         ([{"content": "hi"}], r"messages\[0\].role must be one of"),
         ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string or a list"),
-        ([{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}], "video input is not supported"),
+        ([{"role": "user", "content": [{"type": "video"}]}], "video part has no video, URL or frames"),
         ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "has no audio input"),
         ([{"role": "user", "content": [{"type": "hologram"}]}], "unsupported content part type 'hologram'"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "has no image or URL"),

@@ -69,7 +69,7 @@ def test_token_ids_pixels_and_positions_match_transformers(
 ) -> None:
     processor = make_processor(tiny_dir)
     for conv in conversations(images):
-        rendered, inputs = parse_chat_messages(conv)
+        rendered, inputs, _ = parse_chat_messages(conv)
         text = processor.tokenizer.apply_chat_template(rendered)
         ours = processor.process(text, inputs)
         pil = [
@@ -114,7 +114,7 @@ def test_openai_and_qwen_parts_are_the_same_prompt(tiny_dir: Path, images) -> No
     qwen = [{"role": "user", "content": [{"image": url}, {"text": "?"}]}]
     prompts = []
     for conv in (openai, qwen):
-        rendered, inputs = parse_chat_messages(conv)
+        rendered, inputs, _ = parse_chat_messages(conv)
         prompts.append(processor.process(processor.tokenizer.apply_chat_template(rendered), inputs))
     assert prompts[0].prompt_token_ids == prompts[1].prompt_token_ids
     assert prompts[0].mm_items[0].content_hash == prompts[1].mm_items[0].content_hash
@@ -132,7 +132,7 @@ def test_per_item_sizing_from_messages(tiny_dir: Path, images) -> None:  # type:
             ],
         }
     ]
-    rendered, inputs = parse_chat_messages(conv)
+    rendered, inputs, _ = parse_chat_messages(conv)
     prompt = processor.process(processor.tokenizer.apply_chat_template(rendered), inputs)
     # 150x100 under max_pixels 3136: scaled by sqrt(15000 / 3136) and floored to 56x28.
     assert [item.grid_thw for item in prompt.mm_items] == [(1, 4, 8), (1, 2, 4)]
@@ -150,7 +150,7 @@ def test_errors_name_what_is_wrong(tiny_dir: Path, images) -> None:  # type: ign
         processor.process(pad * 2, [ImageInput(Image.new("RGB", (224, 168)))] * 2)  # 8 x 6 merged each
     with pytest.raises(MediaError, match=r"big: the image needs 154 tokens, at most 63 per image"):
         processor.process(pad, [ImageInput(Image.new("RGB", (400, 300)), label="big")])
-    with pytest.raises(ValueError, match="video input is not supported"):
+    with pytest.raises(ValueError, match=r"holds 1 <\|video_pad\|> placeholder\(s\) but 0 video\(s\)"):
         processor.process("<|vision_start|><|video_pad|><|vision_end|>", [])
     with pytest.raises(MediaError, match="^cat picture: file not found"):
         processor.process(pad, [ImageInput("/nope.png", label="cat picture")])

@@ -49,20 +49,24 @@ class EngineCore:
         backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
         self.model = build_model(frontend.model_config, frontend.model_dir, backend, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.device, self.dtype)
-        largest_image = frontend.processor.max_tokens_per_item()["image"]
+        # The largest image or video a prompt may hold: the encoder must take it in one step.
+        limits = frontend.processor.max_items_per_prompt()
+        per_item = {m: n for m, n in frontend.processor.max_tokens_per_item().items() if limits.get(m, 0) > 0}
+        largest_modality = max(per_item, key=lambda m: per_item[m], default="image")
+        largest_item = per_item.get(largest_modality, 1)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget,
-            max_encoder_tokens_per_step=max(budget, largest_image),
-            encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_image),
+            max_encoder_tokens_per_step=max(budget, largest_item),
+            encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_item),
         )
-        self.memory_plan = self._plan_memory(scheduler_config, largest_image)
+        self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
         logger.info(self.memory_plan.describe())
         self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.bind_kv_cache(self.kv)
         self.scheduler = Scheduler(scheduler_config, self.kv)
 
-    def _plan_memory(self, sched: SchedulerConfig, largest_image: int) -> MemoryPlan:
+    def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
         config = self.config
         block_bytes = self.runner.kv_bytes_per_token * config.block_size
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -77,8 +81,8 @@ class EngineCore:
                 )
             budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
         else:
-            count = max(1, sched.max_encoder_tokens_per_step // largest_image)
-            dummy = self.frontend.processor.dummy_items(count, largest_image)
+            count = max(1, sched.max_encoder_tokens_per_step // largest_item)
+            dummy = self.frontend.processor.dummy_items(count, largest_item, largest_modality)
             activations = self.runner.profile_run(
                 dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
             )

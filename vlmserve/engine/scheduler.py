@@ -68,7 +68,8 @@ class Scheduler:
         largest = max(item_lengths, default=0)
         if largest > self.encoder_cache.capacity:
             raise ValueError(
-                f"an image of {largest} tokens exceeds the encoder cache ({self.encoder_cache.capacity} tokens)"
+                f"an image or video of {largest} tokens exceeds the encoder cache "
+                f"({self.encoder_cache.capacity} tokens)"
             )
 
     def add_request(self, request: Request) -> None:

@@ -7,14 +7,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from PIL import Image
+
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.multimodal.video import OPTION_KEYS, VideoOptions
 from vlmserve.outputs import RequestOutput
 from vlmserve.processor.chat import SIZING_KEYS, parse_chat_messages
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.processor.qwen2_vl import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import Tokenizer
 
@@ -62,7 +66,7 @@ class LLM:
             memory_budget_bytes=None if memory_budget_gib is None else int(memory_budget_gib * (1 << 30)),
             kv_cache_memory_bytes=None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * (1 << 30)),
             mm_processor_kwargs=dict(mm_processor_kwargs or {}),
-            limit_mm_per_prompt=limit_mm_per_prompt or {"image": 8},
+            limit_mm_per_prompt=limit_mm_per_prompt or dict(DEFAULT_LIMIT_MM_PER_PROMPT),
             enable_prefix_caching=enable_prefix_caching,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
@@ -97,9 +101,16 @@ class LLM:
         prompts: str | dict[str, Any] | Sequence[str | dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """A prompt is a string, {"prompt": str, "multi_modal_data": {"image": ...}} (one
-        <|vision_start|><|image_pad|><|vision_end|> per image in the text) or
-        {"prompt_token_ids": [...], ...}."""
+        """A prompt is a string, {"prompt": str, "multi_modal_data": {"image": ..., "video": ...}}
+        (one <|vision_start|><|image_pad|><|vision_end|> per image and
+        <|vision_start|><|video_pad|><|vision_end|> per video in the text) or
+        {"prompt_token_ids": [...], ...}; "mm_processor_kwargs" set the images' and videos'
+        qwen-vl-utils options (min_pixels, max_pixels, fps, nframes, ...) for the prompt.
+
+        "video" is one video or a list of them. A video is a path, URL or bytes of a file, a
+        list of frames (PIL images or uint8 [height, width, 3] arrays; frames given by path or
+        URL need the list of videos around them: [[frame, ...]]) or a uint8 array
+        [frames, height, width, 3]."""
         batch = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_for(sampling_params, len(batch))
         processed = [self._process_prompt(p, f"prompts[{i}]") for i, p in enumerate(batch)]
@@ -120,18 +131,31 @@ class LLM:
         if isinstance(text, list) and any(t >= 1 << 61 for t in text):
             return self._from_token_handles(text, where)
         mm_data = prompt.get("multi_modal_data") or {}
-        unsupported = set(mm_data) - {"image"}
+        unsupported = set(mm_data) - {"image", "video"}
         if unsupported:
-            raise ValueError(f"{where}.multi_modal_data: unsupported modality {sorted(unsupported)}; supported: image")
+            raise ValueError(
+                f"{where}.multi_modal_data: unsupported modality {sorted(unsupported)}; supported: image, video"
+            )
         sources = mm_data.get("image", [])
         sources = sources if isinstance(sources, list) else [sources]
         kwargs = prompt.get("mm_processor_kwargs") or {}
-        bad = set(kwargs) - set(SIZING_KEYS)
+        known = dict.fromkeys((*SIZING_KEYS, *OPTION_KEYS))
+        bad = set(kwargs) - set(known)
         if bad:
-            raise ValueError(f"{where}.mm_processor_kwargs: unknown keys {sorted(bad)}; supported: {list(SIZING_KEYS)}")
-        sizing = ImageSizing(**kwargs)
+            raise ValueError(f"{where}.mm_processor_kwargs: unknown keys {sorted(bad)}; supported: {list(known)}")
+        sizing = ImageSizing(**{key: value for key, value in kwargs.items() if key in SIZING_KEYS})
         images = [ImageInput(src, sizing, f"{where}.multi_modal_data.image[{k}]") for k, src in enumerate(sources)]
-        return processor.process(text, images)
+        video_sources = _videos(mm_data["video"]) if "video" in mm_data else []
+        options = VideoOptions.from_dict(kwargs, f"{where}.mm_processor_kwargs") if video_sources else VideoOptions()
+        videos = [
+            VideoInput(src, options, f"{where}.multi_modal_data.video[{k}]") for k, src in enumerate(video_sources)
+        ]
+        try:
+            return processor.process(text, images, videos)
+        except ValueError as e:
+            if str(e).startswith(where):  # an item's error, named by its label
+                raise
+            raise type(e)(f"{where}: {e}") from None
 
     def _from_token_handles(self, ids: list[int], where: str) -> ProcessedPrompt:
         """Token ids carrying shared-memory handles (LLM.tokenize): pixels read, segments released."""
@@ -161,7 +185,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. Content parts may
-        be OpenAI-style (text, image_url) or qwen-vl-utils-style ({"type": "image", "image": ...})."""
+        be OpenAI-style (text, image_url, video_url) or qwen-vl-utils-style ({"type": "image",
+        "image": ...}, {"type": "video", "video": path, URL or [frame, ...], "fps": ...})."""
         processed = [
             self.process_chat(conv, chat_template, add_generation_prompt, chat_template_kwargs, where)
             for where, conv in _conversations(messages)
@@ -178,14 +203,15 @@ class LLM:
         where: str = "",
     ) -> ProcessedPrompt:
         try:
-            rendered, images = parse_chat_messages(messages)
+            rendered, images, videos = parse_chat_messages(messages)
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
         images = [ImageInput(i.source, i.sizing, where + i.label) for i in images]
+        videos = [VideoInput(v.source, v.options, where + v.label) for v in videos]
         text = self.llm_engine.tokenizer.apply_chat_template(
             rendered, add_generation_prompt, chat_template, **(chat_template_kwargs or {})
         )
-        return self.llm_engine.processor.process(text, images)
+        return self.llm_engine.processor.process(text, images, videos)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -244,3 +270,16 @@ def _conversations(messages: Conversation | Sequence[Conversation]) -> list[tupl
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of messages or of conversations")
     return [("", messages)]  # type: ignore[list-item]
+
+
+def _videos(data: object) -> list[object]:
+    """multi_modal_data["video"] as a list of videos. A list whose items are all frames (PIL images
+    or [height, width, 3] arrays) is one video, as vLLM reads it; any other list is one video per
+    item; anything else is one video."""
+    if isinstance(data, tuple):
+        data = list(data)
+    if not isinstance(data, list) or not data:
+        return [data] if not isinstance(data, list) else []
+    if all(isinstance(x, Image.Image) or (isinstance(x, np.ndarray) and x.ndim == 3) for x in data):
+        return [data]
+    return data

@@ -131,7 +131,7 @@ class ProcessedImage:
     content_hash: str
 
 
-def _normalize_lut(cfg: ImageProcessorConfig) -> np.ndarray:
+def normalize_lut(cfg: ImageProcessorConfig) -> np.ndarray:
     """[3, 256] float32: the normalised value of every uint8 level per channel, computed with the
     same float64 rescale then float32 normalise as the reference, so a lookup is bit-identical."""
     levels = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
@@ -149,7 +149,7 @@ def process_image(image: Image.Image, cfg: ImageProcessorConfig, sizing: ImageSi
     pixels = np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
     content_hash = _content_hash(pixels, cfg)
 
-    lut = _normalize_lut(cfg)
+    lut = normalize_lut(cfg)
     chw = lut[np.arange(3)[:, None, None], pixels.transpose(2, 0, 1)]  # [3, H, W] float32
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     grid_h, grid_w = resized_h // p, resized_w // p

@@ -1,4 +1,5 @@
-"""Load images from what users pass: a path, a file:// / data: / http(s) URL, raw bytes or a PIL image.
+"""Load images from what users pass: a path, a file:// / data: / http(s) URL, raw bytes or a PIL image;
+and the same references' bytes for videos (vlmserve.multimodal.video decodes them).
 
 Every failure is a `MediaError` (a ValueError) whose message names the item (`label`) and what is
 wrong, and never carries decoder internals.
@@ -35,6 +36,12 @@ class MediaLimits:
     # a folder: only files under it.
     allowed_local_media_path: Path | None = None
     allow_local_files: bool = True
+    # Videos. The bytes cap replaces max_bytes for a video file, data URL or download; the frame and
+    # duration caps are checked on the container's index, before any frame is decoded, and bound the
+    # decoding work (frames decoded <= frames held). Each frame is also held to max_image_pixels.
+    max_video_bytes: int = 128 * 1024 * 1024
+    max_video_frames: int = 36_000  # 20 minutes at 30 fps
+    max_video_duration_s: float = 3600.0
 
 
 DEFAULT_LIMITS = MediaLimits()
@@ -44,28 +51,35 @@ def load_image(source: object, label: str = "image", limits: MediaLimits = DEFAU
     """Open `source` as a PIL image with EXIF orientation applied; pixels are decoded."""
     if isinstance(source, Image.Image):
         return source
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_image(bytes(source), label, limits)
-    if isinstance(source, Path):
-        return decode_image(_read_local(source, label, limits), label, limits)
-    if not isinstance(source, str):
+    if not isinstance(source, (bytes, bytearray, memoryview, Path, str)):
         raise MediaError(f"{label}: expected a path, URL, bytes or PIL image, got {type(source).__name__}")
+    return decode_image(read_source(source, label, limits), label, limits)
+
+
+def read_source(
+    source: str | Path | bytes | bytearray | memoryview, label: str, limits: MediaLimits, kind: str = "image"
+) -> bytes:
+    """The bytes behind a path, a file:// / data: / http(s) URL, or raw bytes (returned as they are).
+    A file, data URL or download is held to limits.max_bytes."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, Path):
+        return _read_local(source, label, limits)
     if not source:
-        raise MediaError(f"{label}: empty image reference")
+        raise MediaError(f"{label}: empty {kind} reference")
     scheme = source.split(":", 1)[0].lower() if ":" in source[:12] else ""
     if scheme == "data":
-        return decode_image(parse_data_url(source, label, limits), label, limits)
+        return parse_data_url(source, label, limits)
     if scheme in ("http", "https"):
-        return decode_image(fetch_url(source, label, limits), label, limits)
+        return fetch_url(source, label, limits)
     if scheme == "file":
         parsed = urllib.parse.urlparse(source)
         if parsed.netloc not in ("", "localhost"):
             raise MediaError(f"{label}: file:// URL with a remote host is not supported")
-        path = Path(urllib.parse.unquote(parsed.path))
-        return decode_image(_read_local(path, label, limits), label, limits)
+        return _read_local(Path(urllib.parse.unquote(parsed.path)), label, limits)
     if scheme and len(scheme) > 1:  # "C:" style drive letters are paths, anything longer a scheme
         raise MediaError(f"{label}: unsupported URL scheme {scheme!r}; use a path, file://, data: or http(s)://")
-    return decode_image(_read_local(Path(source), label, limits), label, limits)
+    return _read_local(Path(source), label, limits)
 
 
 def _read_local(path: Path, label: str, limits: MediaLimits) -> bytes:

@@ -1,8 +1,10 @@
 """Chat messages in the two shapes users send, OpenAI's and qwen-vl-utils', reduced to what the
-chat template renders plus the list of images in order.
+chat template renders plus the lists of images and of videos in order.
 
 OpenAI:          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+                 {"type": "video_url", "video_url": {"url": "https://.../a.mp4"}}
 qwen-vl-utils:   {"type": "image", "image": "file:///a.jpg", "max_pixels": 200704}
+                 {"type": "video", "video": "file:///a.mp4" or [frame, ...], "fps": 1, "max_pixels": ...}
 both:            {"type": "text", "text": "..."}; or the whole content as one string
 """
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from vlmserve.multimodal.image import ImageSizing
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.multimodal.video import VideoOptions
+from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
 
 SIZING_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 ROLES = ("system", "user", "assistant", "tool")
@@ -30,29 +33,46 @@ def _sizing(part: dict[str, Any], label: str) -> ImageSizing:
     return ImageSizing(**values)
 
 
-def _image_part(part: dict[str, Any], where: str, index: int) -> ImageInput:
-    label = f"{where} (image {index + 1})"
-    if "image_url" in part:
-        spec = part["image_url"]
+def _source_and_options(part: dict[str, Any], kind: str) -> tuple[object, dict[str, Any]]:
+    """The media source of an OpenAI-style part ({"image_url": {"url": ...}}, options beside it or
+    inside) or a qwen-vl-utils-style one ({"image": ...}, options beside it); kind: image / video."""
+    if f"{kind}_url" in part:
+        spec = part[f"{kind}_url"]
         options = dict(part)
         if isinstance(spec, dict):
             options.update(spec)
             spec = spec.get("url")
-        source = spec
-    else:
-        source, options = part.get("image"), part
+        return spec, options
+    return part.get(kind), part
+
+
+def _image_part(part: dict[str, Any], where: str, index: int) -> ImageInput:
+    label = f"{where} (image {index + 1})"
+    source, options = _source_and_options(part, "image")
     if source is None or (isinstance(source, str) and not source):
         raise ValueError(f"{label}: image part has no image or URL")
     return ImageInput(source=source, sizing=_sizing(options, label), label=label)
 
 
-def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+def _video_part(part: dict[str, Any], where: str, index: int) -> VideoInput:
+    label = f"{where} (video {index + 1})"
+    source, options = _source_and_options(part, "video")
+    if source is None or (isinstance(source, (str, list)) and not source):
+        raise ValueError(f"{label}: video part has no video, URL or frames")
+    return VideoInput(source=source, options=VideoOptions.from_dict(options, label), label=label)
+
+
+def parse_chat_messages(
+    messages: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[ImageInput], list[VideoInput]]:
     """Validate `messages`; return them with content parts normalised for the chat template
-    ({"type": "image"} / {"type": "text", "text": ...}) and the images in order of appearance."""
+    ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}), the images and the
+    videos, each in order of appearance."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     rendered: list[dict[str, Any]] = []
     images: list[ImageInput] = []
+    videos: list[VideoInput] = []
     for mi, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{mi}] must be an object with 'role' and 'content'")
@@ -84,11 +104,12 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, 
             elif kind in ("image", "image_url") or (kind is None and ("image" in part or "image_url" in part)):
                 images.append(_image_part(part, where, len(images)))
                 parts.append({"type": "image"})
-            elif kind in ("video", "video_url") or "video" in part:
-                raise ValueError(f"{where}: video input is not supported yet")
+            elif kind in ("video", "video_url") or (kind is None and ("video" in part or "video_url" in part)):
+                videos.append(_video_part(part, where, len(videos)))
+                parts.append({"type": "video"})
             elif kind in ("audio", "input_audio", "audio_url") or "audio" in part:
                 raise ValueError(f"{where}: this model has no audio input")
             else:
                 raise ValueError(f"{where}: unsupported content part type {kind!r}")
         rendered.append({"role": role, "content": parts})
-    return rendered, images
+    return rendered, images, videos

@@ -1,18 +1,28 @@
-"""The Qwen2-VL processor (seed 001): prompt text or token ids plus images become a
-ProcessedPrompt with every <|image_pad|> expanded to t*h*w / merge_size**2 tokens, one
-MultiModalItem per image, and the M-RoPE positions."""
+"""The Qwen2-VL processor (seed 001): prompt text or token ids plus images and videos become a
+ProcessedPrompt with every <|image_pad|> and <|video_pad|> expanded to t*h*w / merge_size**2
+tokens, one MultiModalItem per image or video in prompt order, and the M-RoPE positions."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 from vlmserve.config import ModelConfig
 from vlmserve.multimodal.image import ImageProcessorConfig, ImageSizing, process_image, target_size
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
 from vlmserve.multimodal.mrope import mrope_positions
+from vlmserve.multimodal.video import (
+    MODEL_SEQ_LEN,
+    VIDEO_MAX_TOKENS,
+    VideoOptions,
+    VideoPlan,
+    open_video,
+    process_video,
+)
 from vlmserve.tokenizer import Tokenizer
 
 
@@ -26,10 +36,28 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class VideoInput:
+    """One video as the user gave it: a path, URL or bytes of a file, or a list of frames (or a
+    uint8 array [frames, height, width, 3]), and its qwen-vl-utils options."""
+
+    source: object
+    options: VideoOptions = field(default_factory=VideoOptions)
+    label: str = "video"
+
+
+# A video costs hundreds to thousands of tokens: one per prompt unless asked for.
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 8, "video": 1}
+
+
+@dataclass(frozen=True)
 class ProcessorLimits:
     max_model_len: int
-    # Items of each modality one prompt may hold (vLLM's limit_mm_per_prompt).
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    # Items of each modality one prompt may hold (vLLM's limit_mm_per_prompt); a modality left out
+    # gets its DEFAULT_LIMIT_MM_PER_PROMPT.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_MM_PER_PROMPT[modality])
 
 
 class Qwen2VLProcessor:
@@ -53,43 +81,58 @@ class Qwen2VLProcessor:
     # -- what the memory planner needs (seed 003's processing info and dummy inputs) -----------
 
     def max_items_per_prompt(self) -> dict[str, int]:
-        return {"image": self.limits.limit_mm_per_prompt.get("image", 0)}
+        return {"image": self.limits.limit("image"), "video": self.limits.limit("video")}
 
     def max_tokens_per_item(self) -> dict[str, int]:
-        """Placeholder tokens of the largest image admitted: what max_pixels allows, and at
-        most a prompt's worth."""
+        """Placeholder tokens of the largest image and video admitted, at most a prompt's worth
+        each: an image as large as max_pixels allows; a video as long as qwen-vl-utils' default
+        total_pixels allows (128000 * 0.9 tokens), of frames no larger than max_video_frame_tokens."""
         cfg = self.image_config
         by_pixels = cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
-        return {"image": max(1, min(by_pixels, self.limits.max_model_len - 1))}
+        prompt = self.limits.max_model_len - 1
+        return {"image": max(1, min(by_pixels, prompt)), "video": max(1, min(int(MODEL_SEQ_LEN * 0.9), prompt))}
 
-    def dummy_items(self, count: int, tokens_per_item: int) -> list[MultiModalItem]:
-        """`count` images of the most placeholder tokens up to `tokens_per_item`, with random
-        patches: worst-case encoder inputs for profiling."""
-        # The merged grid (a x b) with the most cells a * b <= tokens_per_item, aspect <= 200.
+    def max_video_frame_tokens(self) -> int:
+        """Tokens one temporal patch of a video may take: qwen-vl-utils' largest default frame
+        (768 tokens) or the largest image, whichever is more. Bounds the vision encoder's
+        attention segments, which are one temporal patch each."""
+        return min(max(VIDEO_MAX_TOKENS, self.max_tokens_per_item()["image"]), self.max_tokens_per_item()["video"])
+
+    def dummy_items(self, count: int, tokens_per_item: int, modality: str = "image") -> list[MultiModalItem]:
+        """`count` items of the most placeholder tokens up to `tokens_per_item`, with random
+        patches: worst-case encoder inputs for profiling. A video's temporal patches are frames
+        of max_video_frame_tokens() at most (its attention segments), as many as fit."""
+        per_frame = tokens_per_item if modality == "image" else min(tokens_per_item, self.max_video_frame_tokens())
+        # The merged grid (a x b) with the most cells a * b <= per_frame, aspect <= 200.
         best = max(
-            ((a, tokens_per_item // a) for a in range(1, int(tokens_per_item**0.5) + 1)),
+            ((a, per_frame // a) for a in range(1, int(per_frame**0.5) + 1)),
             key=lambda ab: (ab[0] * ab[1], ab[0]) if ab[1] <= 200 * ab[0] else (0, 0),
         )
-        m = self.merge_size
-        grid = (1, best[0] * m, best[1] * m)
+        t = 1 if modality == "image" else max(1, tokens_per_item // (best[0] * best[1]))
+        m, p = self.merge_size, self.image_config.patch_size
+        grid = (t, best[0] * m, best[1] * m)
         patch_dim = self.config.vision.patch_dim
         return [
             MultiModalItem(
-                modality="image",
+                modality=modality,
                 offset=0,
-                length=best[0] * best[1],
+                length=t * best[0] * best[1],
                 grid_thw=grid,
-                content_hash=f"dummy-{k}",
-                pixel_values=torch.randn(grid[1] * grid[2], patch_dim),
-                original_size=(grid[2] * self.image_config.patch_size, grid[1] * self.image_config.patch_size),
-                resized_size=(grid[2] * self.image_config.patch_size, grid[1] * self.image_config.patch_size),
+                content_hash=f"dummy-{modality}-{k}",
+                pixel_values=torch.randn(t * grid[1] * grid[2], patch_dim),
+                original_size=(grid[2] * p, grid[1] * p),
+                resized_size=(grid[2] * p, grid[1] * p),
+                second_per_grid_t=None if modality == "image" else 1.0,
             )
             for k in range(count)
         ]
 
-    def process(self, prompt: str | list[int], images: list[ImageInput]) -> ProcessedPrompt:
-        """`prompt` holds one <|image_pad|> per image (inside <|vision_start|>...<|vision_end|>,
-        as the chat template writes it); each is expanded to the image's token count."""
+    def process(
+        self, prompt: str | list[int], images: Sequence[ImageInput], videos: Sequence[VideoInput] = ()
+    ) -> ProcessedPrompt:
+        """`prompt` holds one <|image_pad|> per image and one <|video_pad|> per video, in any order
+        (each inside <|vision_start|>...<|vision_end|>, as the chat template writes it); each is
+        expanded to its item's token count."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -98,68 +141,118 @@ class Qwen2VLProcessor:
         bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}; position {bad} holds {token_ids[bad]}")
-        image_id = self.config.image_token_id
-        if self.config.video_token_id in token_ids:
-            raise ValueError("video input is not supported yet; the prompt holds <|video_pad|>")
-        max_images = self.limits.limit_mm_per_prompt.get("image", 0)
-        if len(images) > max_images:
-            raise ValueError(f"too many images: {len(images)} given, at most {max_images} per prompt")
-        num_pads = token_ids.count(image_id)
-        if num_pads != len(images):
-            raise ValueError(
-                f"the prompt holds {num_pads} <|image_pad|> placeholder(s) but {len(images)} image(s) were given; "
-                "write <|vision_start|><|image_pad|><|vision_end|> once per image"
-            )
+        image_id, video_id = self.config.image_token_id, self.config.video_token_id
+        self._check_count("image", "<|image_pad|>", images, token_ids.count(image_id))
+        self._check_count("video", "<|video_pad|>", videos, token_ids.count(video_id))
 
         pil_images = [load_image(image.source, image.label, self.media_limits) for image in images]
-        # Token counts come from the target sizes alone: check the length before the pixel work.
-        counts = []
-        for image, pil in zip(images, pil_images, strict=True):
-            try:
-                h, w = target_size(pil.width, pil.height, self.image_config, image.sizing)
-            except ValueError as e:
-                raise MediaError(f"{image.label}: {e}") from None
-            counts.append(
-                (h // self.image_config.patch_size) * (w // self.image_config.patch_size) // self.merge_size**2
-            )
-        max_per_image = self.max_tokens_per_item()["image"]
-        for image, count in zip(images, counts, strict=True):
-            if count > max_per_image:
-                raise MediaError(
-                    f"{image.label}: the image needs {count} tokens, at most {max_per_image} per image are admitted "
-                    f"(max_pixels={self.image_config.max_pixels}, max_model_len={self.limits.max_model_len})"
-                )
-        num_tokens = len(token_ids) - num_pads + sum(counts)
+        # Token counts come from the target sizes and the chosen frames alone (a video is demuxed,
+        # not decoded): check the length before the pixel work.
+        image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, pil_images, strict=True)]
+        plans = [open_video(v.source, v.options, self.image_config, v.label, self.media_limits) for v in videos]
+        video_counts = [self._video_tokens(plan) for plan in plans]
+        num_text = len(token_ids) - len(images) - len(videos)
+        num_tokens = num_text + sum(image_counts) + sum(video_counts)
         if num_tokens >= self.limits.max_model_len:
+            video_part = f" + {sum(video_counts)} video" if videos else ""
             raise ValueError(
-                f"prompt needs {num_tokens} tokens ({len(token_ids) - num_pads} text + {sum(counts)} image), "
+                f"prompt needs {num_tokens} tokens ({num_text} text + {sum(image_counts)} image{video_part}), "
                 f"which leaves no room to generate within max_model_len={self.limits.max_model_len}"
             )
 
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        k = 0
+        next_image = iter(zip(pil_images, images, image_counts, strict=True))
+        next_video = iter(zip(plans, video_counts, strict=True))
         for token in token_ids:
-            if token != image_id:
+            if token == image_id:
+                item = self._image_item(*next(next_image), offset=len(expanded))
+            elif token == video_id:
+                item = self._video_item(*next(next_video), offset=len(expanded))
+            else:
                 expanded.append(token)
                 continue
-            processed = process_image(pil_images[k], self.image_config, images[k].sizing)
-            assert processed.pixel_values.shape[0] // self.merge_size**2 == counts[k]
-            items.append(
-                MultiModalItem(
-                    modality="image",
-                    offset=len(expanded),
-                    length=counts[k],
-                    grid_thw=processed.grid_thw,
-                    content_hash=processed.content_hash,
-                    pixel_values=torch.from_numpy(processed.pixel_values),
-                    original_size=processed.original_size,
-                    resized_size=processed.resized_size,
-                )
-            )
-            expanded.extend([image_id] * counts[k])
-            k += 1
+            items.append(item)
+            expanded.extend([token] * item.length)
         positions, delta = mrope_positions(len(expanded), items, self.merge_size, self.config.vision.tokens_per_second)
         return ProcessedPrompt(
             prompt_token_ids=expanded, mm_items=items, mrope_positions=positions, mrope_delta=delta, prompt=text
+        )
+
+    def _check_count(
+        self, modality: str, pad: str, inputs: Sequence[ImageInput] | Sequence[VideoInput], num_pads: int
+    ) -> None:
+        limit = self.limits.limit(modality)
+        if len(inputs) > limit:
+            raise ValueError(
+                f"too many {modality}s: {len(inputs)} given, at most {limit} per prompt "
+                f"(the first one over: {inputs[limit].label})"
+            )
+        if num_pads != len(inputs):
+            unplaced = f" ({inputs[num_pads].label} has none)" if len(inputs) > num_pads else ""
+            raise ValueError(
+                f"the prompt holds {num_pads} {pad} placeholder(s) but {len(inputs)} {modality}(s) were given"
+                f"{unplaced}; write <|vision_start|>{pad}<|vision_end|> once per {modality}"
+            )
+
+    def _image_tokens(self, image: ImageInput, pil: Image.Image) -> int:
+        try:
+            h, w = target_size(pil.width, pil.height, self.image_config, image.sizing)
+        except ValueError as e:
+            raise MediaError(f"{image.label}: {e}") from None
+        count = (h // self.image_config.patch_size) * (w // self.image_config.patch_size) // self.merge_size**2
+        max_per_image = self.max_tokens_per_item()["image"]
+        if count > max_per_image:
+            raise MediaError(
+                f"{image.label}: the image needs {count} tokens, at most {max_per_image} per image are admitted "
+                f"(max_pixels={self.image_config.max_pixels}, max_model_len={self.limits.max_model_len})"
+            )
+        return count
+
+    def _video_tokens(self, plan: VideoPlan) -> int:
+        t, h, w = plan.grid_thw
+        per_frame = h * w // self.merge_size**2
+        max_per_frame = self.max_video_frame_tokens()
+        if per_frame > max_per_frame:
+            width, height = plan.resized_size
+            raise MediaError(
+                f"{plan.label}: frames of {width}x{height} need {per_frame} tokens each, at most {max_per_frame} are "
+                "admitted; lower max_pixels, min_pixels or resized_height/resized_width"
+            )
+        max_per_video = self.max_tokens_per_item()["video"]
+        if t * per_frame > max_per_video:
+            raise MediaError(
+                f"{plan.label}: the video needs {t * per_frame} tokens ({t} temporal patches of {per_frame}), at most "
+                f"{max_per_video} per video are admitted (max_model_len={self.limits.max_model_len}); "
+                "lower fps, nframes, max_frames, max_pixels or total_pixels"
+            )
+        return t * per_frame
+
+    def _image_item(self, pil: Image.Image, image: ImageInput, count: int, offset: int) -> MultiModalItem:
+        processed = process_image(pil, self.image_config, image.sizing)
+        assert processed.pixel_values.shape[0] // self.merge_size**2 == count
+        return MultiModalItem(
+            modality="image",
+            offset=offset,
+            length=count,
+            grid_thw=processed.grid_thw,
+            content_hash=processed.content_hash,
+            pixel_values=torch.from_numpy(processed.pixel_values),
+            original_size=processed.original_size,
+            resized_size=processed.resized_size,
+        )
+
+    def _video_item(self, plan: VideoPlan, count: int, offset: int) -> MultiModalItem:
+        processed = process_video(plan, self.image_config, self.media_limits)
+        assert processed.pixel_values.shape[0] // self.merge_size**2 == count
+        return MultiModalItem(
+            modality="video",
+            offset=offset,
+            length=count,
+            grid_thw=processed.grid_thw,
+            content_hash=processed.content_hash,
+            pixel_values=torch.from_numpy(processed.pixel_values),
+            original_size=processed.original_size,
+            resized_size=processed.resized_size,
+            second_per_grid_t=processed.second_per_grid_t,
         )
