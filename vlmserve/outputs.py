@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlmserve.multimodal.inputs import MultiModalItem
 
 
 @dataclass
@@ -27,6 +31,23 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class MultiModalItemInfo:
+    """One image or video of the prompt as the processor took it, without its pixels. Boxes a
+    Qwen2.5-VL model writes are in resized_size's pixels; vlmserve.grounding maps them back."""
+
+    modality: str  # "image" or "video"
+    # Its placeholder tokens are prompt_token_ids[offset : offset + length].
+    offset: int
+    length: int
+    original_size: tuple[int, int]  # (width, height) as decoded, after EXIF rotation
+    resized_size: tuple[int, int]  # (width, height) the model saw
+
+    @classmethod
+    def from_item(cls, item: MultiModalItem) -> MultiModalItemInfo:
+        return cls(item.modality, item.offset, item.length, item.original_size, item.resized_size)
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -38,3 +59,5 @@ class RequestOutput:
     num_image_tokens: list[int] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache.
     num_cached_tokens: int = 0
+    # The prompt's images and videos, in prompt order: where they are and their sizes.
+    mm_items: list[MultiModalItemInfo] = field(default_factory=list)

@@ -4,6 +4,10 @@
 stream never shows half of a multi-byte character. While stop strings are set, the last
 len(longest stop) - 1 characters are held back from the stream: they might be the start of a
 stop string that the next token completes.
+
+As in vLLM, the token that stopped a request (eos or one of stop_token_ids) is not part of the
+text unless include_stop_str_in_output: with skip_special_tokens=False (needed to see Qwen2-VL's
+<|box_start|> grounding tokens) an answer does not end in "<|im_end|>".
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_by: str | None = None
 
-    def update(self, new_token_ids: list[int], finished: bool) -> str | None:
+    def update(self, new_token_ids: list[int], finished: bool, stop_terminated: bool = False) -> str | None:
         """Add tokens; returns the stop string if one now appears in the text (the text is then
-        cut before it, or after it with include_stop_str_in_output)."""
+        cut before it, or after it with include_stop_str_in_output). stop_terminated: the last
+        token is the stop token that finished the request."""
+        if stop_terminated and not self.include_stop and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             piece = self.stream.step(self.tokenizer.backend, token_id)

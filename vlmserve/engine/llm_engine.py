@@ -10,7 +10,7 @@ from vlmserve.engine.frontend import load_frontend
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.engine.request import RequestStatus
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -39,7 +39,12 @@ class LLMEngine:
         self.core.check_fits(prompt)  # before anything is registered
         num_image_tokens = [item.length for item in prompt.mm_items]
         child_ids = self.output_processor.add_request(
-            request_id, prompt.prompt, prompt.prompt_token_ids, num_image_tokens, params
+            request_id,
+            prompt.prompt,
+            prompt.prompt_token_ids,
+            num_image_tokens,
+            params,
+            mm_items=[MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
         )
         for index, child_id in enumerate(child_ids):
             self.core.add_request(child_id, prompt, params.for_child(index))

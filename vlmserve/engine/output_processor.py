@@ -3,12 +3,13 @@ strings, and gathers the n samples of a request into one output."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vlmserve.engine.core import EngineCoreOutput
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.request import RequestStatus
-from vlmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from vlmserve.outputs import CompletionOutput, Logprob, MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import Tokenizer
 
@@ -29,6 +30,7 @@ class _Parent:
     num_image_tokens: list[int]
     samples: list[_Sample] = field(default_factory=list)
     num_cached_tokens: int = 0
+    mm_items: list[MultiModalItemInfo] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +56,7 @@ class _Parent:
             finished,
             self.num_image_tokens,
             self.num_cached_tokens,
+            list(self.mm_items),
         )
 
 
@@ -74,9 +77,11 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         num_image_tokens: list[int],
         params: SamplingParams,
+        *,
+        mm_items: Sequence[MultiModalItemInfo],
     ) -> list[str]:
         """Register a request; returns the ids of its n engine requests."""
-        parent = _Parent(request_id, prompt, prompt_token_ids, num_image_tokens)
+        parent = _Parent(request_id, prompt, prompt_token_ids, num_image_tokens, mm_items=list(mm_items))
         child_ids = []
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)
@@ -107,7 +112,7 @@ class OutputProcessor:
             if update.logprobs is not None and sample.output.logprobs is not None:
                 self._add_logprobs(sample.output, update.new_token_ids, update.logprobs)
             finished = update.finish_reason is not None
-            stop = sample.detokenizer.update(update.new_token_ids, finished)
+            stop = sample.detokenizer.update(update.new_token_ids, finished, update.finish_reason == "stop")
             if stop is not None:
                 sample.output.finish_reason, sample.output.stop_reason = "stop", stop
                 if not finished:

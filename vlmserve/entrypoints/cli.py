@@ -1,7 +1,8 @@
 """The `vlmserve` command line.
 
-vlmserve chat [MODEL] [--image PATH ...] "question"   stream an answer
-vlmserve make-tiny OUT_DIR                             write a tiny random-weight checkpoint
+vlmserve chat [MODEL] [--image PATH ...] [--draw-boxes OUT.png] "question"
+                                                       stream an answer (and draw its boxes)
+vlmserve make-tiny OUT_DIR [--arch qwen2_5_vl]         write a tiny random-weight checkpoint
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlmserve import LLM
+    from vlmserve.grounding import Convention
+    from vlmserve.outputs import MultiModalItemInfo
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -16,6 +23,9 @@ def _chat(args: argparse.Namespace) -> int:
 
     if len(args.words) > 2:
         print("error: give at most MODEL and one quoted question", file=sys.stderr)
+        return 2
+    if args.draw_boxes is not None and not args.image:
+        print("error: --draw-boxes needs an --image to draw on", file=sys.stderr)
         return 2
     model, question = (None, args.words[0]) if len(args.words) == 1 else args.words
     if model is None:
@@ -37,32 +47,65 @@ def _chat(args: argparse.Namespace) -> int:
         top_k=defaults.top_k,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
+        skip_special_tokens=args.draw_boxes is None,
     )
     try:
         prompt = llm.process_chat(messages)
+        convention = _box_convention(llm, args) if args.draw_boxes is not None else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shown = 0
+    text = ""
+    mm_items: list[MultiModalItemInfo] = []
     for output in llm.stream(prompt, params):
         text = output.outputs[0].text
         print(text[shown:], end="", flush=True)
         shown = len(text)
+        mm_items = output.mm_items
     print()
+    if convention is not None:
+        first_image = next(item for item in mm_items if item.modality == "image")
+        return _draw_boxes(text, args.image[0], first_image, convention, args.draw_boxes)
+    return 0
+
+
+def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
+    from vlmserve.grounding import convention_for_model
+
+    return args.box_convention or convention_for_model(llm.llm_engine.model_config.model_type)
+
+
+def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path) -> int:
+    """The answer's boxes on the first image, in its original pixels: printed, and drawn into `out`."""
+    from vlmserve.grounding import draw_answer
+    from vlmserve.multimodal.media import load_image
+
+    try:
+        image = load_image(source, "image 1")  # as the processor decoded it (EXIF rotation applied)
+        if image.size != tuple(item.original_size):
+            raise ValueError(f"{source} is {image.size} now; the model saw it as {item.original_size}")
+        _, lines = draw_answer(text, image, convention, item.resized_size, out)
+    except (OSError, ValueError) as e:  # MediaError is a ValueError
+        print(f"error: --draw-boxes: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
     return 0
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from vlmserve.tools.tiny_checkpoint import BENCH_SPEC, TinySpec, write_tiny_qwen2_vl
+    from vlmserve.tools.tiny_checkpoint import PRESETS, write_tiny_qwen2_vl
 
-    base = BENCH_SPEC if args.preset == "bench" else TinySpec()
+    base = PRESETS[(args.arch, args.preset)]
     spec = dataclasses.replace(base, tie_word_embeddings=not args.untied)
     out = write_tiny_qwen2_vl(
         args.out_dir, spec, seed=args.seed, nested_config=args.nested_config, num_shards=args.shards
     )
-    print(f"wrote a {args.preset} random-weight Qwen2-VL checkpoint to {out}")
+    name = "Qwen2.5-VL" if args.arch == "qwen2_5_vl" else "Qwen2-VL"
+    print(f"wrote a {args.preset} random-weight {name} checkpoint to {out}")
     return 0
 
 
@@ -84,13 +127,29 @@ def _chat_parser() -> argparse.ArgumentParser:
     chat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     chat.add_argument("--device", default="auto", help="auto, cpu or cuda")
     chat.add_argument("--max-model-len", type=int, default=8192)
+    chat.add_argument(
+        "--draw-boxes",
+        type=Path,
+        default=None,
+        metavar="OUT.png",
+        help="parse the answer's grounding boxes, print them in the first image's original pixels and draw them "
+        "on it into this PNG",
+    )
+    chat.add_argument(
+        "--box-convention",
+        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl"],
+        default=None,
+        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl and qwen2-vl on a "
+        "0..1000 scale, qwen2.5-vl in the resized image's pixels",
+    )
     chat.set_defaults(func=_chat)
     return chat
 
 
 def _make_tiny_parser() -> argparse.ArgumentParser:
     tiny = argparse.ArgumentParser(
-        prog="vlmserve make-tiny", description="Write a tiny random-weight Qwen2-VL checkpoint in the hub layout."
+        prog="vlmserve make-tiny",
+        description="Write a tiny random-weight Qwen2-VL or Qwen2.5-VL checkpoint in the hub layout.",
     )
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -103,6 +162,7 @@ def _make_tiny_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="bench: Qwen2-VL-2B's language-model width with 4 layers and a narrow vision tower",
     )
+    tiny.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl", help="model family")
     tiny.set_defaults(func=_make_tiny)
     return tiny
 
