@@ -251,7 +251,7 @@ def test_out_of_range_parameters_fail_fast(server: Server, extra: dict, param: s
         (
             b'{"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]}',
             "messages",
-            "video input is not supported",
+            r"content\[0\] \(video 1\): local files are not allowed",
         ),
     ],
 )

@@ -29,7 +29,7 @@ from vlmserve.engine.core import EngineCoreOutput
 from vlmserve.engine.frontend import Frontend
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve import shm
 from vlmserve.serve.messages import (
@@ -174,11 +174,17 @@ class EngineClient:
                     item.resized_size,
                     seg.dtype,
                     item.modality,
+                    item.second_per_grid_t,
                 )
                 for item, seg in zip(prompt.mm_items, segments, strict=True)
             ]
             child_ids = self.output_processor.add_request(
-                request_id, prompt.prompt, prompt.prompt_token_ids, [item.length for item in prompt.mm_items], params
+                request_id,
+                prompt.prompt,
+                prompt.prompt_token_ids,
+                [item.length for item in prompt.mm_items],
+                params,
+                mm_items=[MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
             )
             submitted = True
             specs = [self._spec(params.for_child(i)) for i in range(len(child_ids))]

@@ -134,6 +134,7 @@ class EngineLoop:
                         torch.from_numpy(pixels),
                         spec.original_size,
                         spec.resized_size,
+                        spec.second_per_grid_t,
                     )
                 )
         finally:
@@ -144,9 +145,13 @@ class EngineLoop:
         vocab = self.config.text.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        placeholder = {"image": self.config.image_token_id, "video": self.config.video_token_id}
         for item in items:
-            if item.end > len(ids) or any(t != self.config.image_token_id for t in ids[item.offset : item.end]):
-                raise ValueError(f"image placeholders at {item.offset}..{item.end} do not match the prompt")
+            token = placeholder.get(item.modality)
+            if token is None:
+                raise ValueError(f"unknown modality {item.modality!r}")
+            if item.end > len(ids) or any(t != token for t in ids[item.offset : item.end]):
+                raise ValueError(f"{item.modality} placeholders at {item.offset}..{item.end} do not match the prompt")
         positions, delta = mrope_positions(
             len(ids), items, self.config.vision.spatial_merge_size, self.config.vision.tokens_per_second
         )

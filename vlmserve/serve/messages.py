@@ -9,7 +9,7 @@ import msgspec
 
 
 class ItemSpec(msgspec.Struct, frozen=True):
-    """One image of a request: where its placeholders are and where its pixels wait."""
+    """One image or video of a request: where its placeholders are and where its pixels wait."""
 
     offset: int
     length: int
@@ -21,6 +21,7 @@ class ItemSpec(msgspec.Struct, frozen=True):
     resized_size: tuple[int, int]
     dtype: str = "float32"
     modality: str = "image"
+    second_per_grid_t: float | None = None  # videos: seconds per temporal patch
 
 
 class SamplingSpec(msgspec.Struct, frozen=True):

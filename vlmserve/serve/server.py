@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget-gib", type=float, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
+    p.add_argument("--limit-videos", type=int, default=1, help="videos per request")
     p.add_argument("--max-pixels", type=int, default=None, help="engine-wide cap on an image's resized pixels")
     p.add_argument(
         "--allowed-local-media-path",
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-fetch-timeout", type=float, default=10.0)
     p.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024)
     p.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="refused before decoding above this")
+    p.add_argument("--max-video-bytes", type=int, default=64 * 1024 * 1024, help="a video file, data URL or download")
+    p.add_argument(
+        "--max-video-frames", type=int, default=36_000, help="frames a video may hold (counted before decoding)"
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
@@ -103,7 +108,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         memory_budget_bytes=None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GiB),
-        limit_mm_per_prompt={"image": args.limit_images},
+        limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos},
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,
@@ -111,6 +116,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
             fetch_timeout_s=args.media_fetch_timeout,
             allowed_local_media_path=args.allowed_local_media_path,
             allow_local_files=args.allowed_local_media_path is not None,
+            max_video_bytes=args.max_video_bytes,
+            max_video_frames=args.max_video_frames,
         ),
     )
     frontend = load_frontend(config)

@@ -5,6 +5,7 @@ server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.frontend import Frontend
+from vlmserve.grounding import convention_for_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaError
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.processor.chat import parse_chat_messages
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.engine_client import EngineClient, EngineDeadError, RequestRefused
 from vlmserve.serve.fetch import FetchError, FetchPolicy, fetch
@@ -51,6 +53,10 @@ class Serving:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.frontend = ctx.frontend
+        try:
+            self.grounding_convention: str | None = convention_for_model(ctx.frontend.model_config.model_type)
+        except ValueError:
+            self.grounding_convention = None
 
     # -- shared steps -----------------------------------------------------------------------------
 
@@ -60,25 +66,54 @@ class Serving:
             raise APIError(400, f"max_tokens must be at most {limit} (max_model_len - 1)", "max_tokens")
         return requested
 
-    async def _fetch_media(self, images: list[ImageInput]) -> list[ImageInput]:
-        limit = self.frontend.processor.max_items_per_prompt()["image"]
-        if len(images) > limit:
-            raise APIError(400, f"too many images: {len(images)} given, at most {limit} per request", "messages")
-        fetched = []
-        for image in images:
-            source = image.source
-            if isinstance(source, str) and source[:8].lower().startswith(("http://", "https://")):
-                try:
-                    source = await fetch(source, self.ctx.fetch_policy, image.label)
-                except FetchError as e:
-                    raise APIError(400, str(e), "messages", e.code) from None
-            fetched.append(ImageInput(source, image.sizing, image.label))
-        return fetched
+    async def _fetch_media(
+        self, images: list[ImageInput], videos: list[VideoInput]
+    ) -> tuple[list[ImageInput], list[VideoInput]]:
+        """http(s) sources downloaded through the guarded fetcher (a video's frames one by one);
+        counts checked first so that no request makes the server fetch more than it may use."""
+        limits = self.frontend.processor.max_items_per_prompt()
+        for kind, given in (("image", images), ("video", videos)):
+            if len(given) > limits.get(kind, 0):
+                raise APIError(
+                    400, f"too many {kind}s: {len(given)} given, at most {limits.get(kind, 0)} per request", "messages"
+                )
+        video_policy = dataclasses.replace(
+            self.ctx.fetch_policy, max_bytes=self.frontend.processor.media_limits.max_video_bytes
+        )
+        fetched_images = [
+            ImageInput(await self._fetched(image.source, self.ctx.fetch_policy, image.label), image.sizing, image.label)
+            for image in images
+        ]
+        fetched_videos = []
+        for video in videos:
+            source = video.source
+            if isinstance(source, list):
+                frames = [
+                    await self._fetched(frame, self.ctx.fetch_policy, f"{video.label} frame {k}")
+                    for k, frame in enumerate(source)
+                ]
+                fetched_videos.append(VideoInput(frames, video.options, video.label))
+            else:
+                fetched_videos.append(
+                    VideoInput(await self._fetched(source, video_policy, video.label), video.options, video.label)
+                )
+        return fetched_images, fetched_videos
 
-    async def _process(self, prompt: str | list[int], images: list[ImageInput], param: str) -> ProcessedPrompt:
+    async def _fetched(self, source: object, policy: FetchPolicy, label: str) -> object:
+        """The bytes behind an http(s) URL; any other source as it is (the processor reads it)."""
+        if not (isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))):
+            return source
         try:
-            # Decoding and resizing images is CPU work: off the event loop.
-            return await asyncio.to_thread(self.frontend.processor.process, prompt, images)
+            return await fetch(source, policy, label)
+        except FetchError as e:
+            raise APIError(400, str(e), "messages", e.code) from None
+
+    async def _process(
+        self, prompt: str | list[int], images: list[ImageInput], param: str, videos: list[VideoInput] | None = None
+    ) -> ProcessedPrompt:
+        try:
+            # Decoding and resizing images and video frames is CPU work: off the event loop.
+            return await asyncio.to_thread(self.frontend.processor.process, prompt, images, videos or [])
         except (MediaError, ValueError) as e:
             raise APIError(400, str(e), param) from None
 
@@ -126,6 +161,21 @@ class Serving:
             ],
         }
 
+    def _extension(self, prompts: list[ProcessedPrompt], with_prompt_index: bool = False) -> dict[str, Any]:
+        """The `vlmserve` extension field of a response (or of a stream's first chunk): each image's
+        size as sent and as the model saw it, and the convention of the model's grounding boxes,
+        so a client can map boxes to its own pixels (vlmserve.grounding does it in Python)."""
+        items = []
+        for i, prompt in enumerate(prompts):
+            for item in prompt.mm_items:
+                entry = {
+                    "modality": item.modality,
+                    "original_size": list(item.original_size),
+                    "resized_size": list(item.resized_size),
+                }
+                items.append({"prompt_index": i} | entry if with_prompt_index else entry)
+        return {"grounding_convention": self.grounding_convention, "mm_items": items}
+
     def _logprobs_json(self, choice: CompletionOutput, start: int, k: int) -> dict[str, Any] | None:
         """OpenAI's chat logprobs for tokens [start:]: each token with its `k` most likely
         alternatives (the entries ranked 1..k; the sampled token is among them when it ranks)."""
@@ -157,14 +207,14 @@ class Serving:
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
         try:
-            rendered, images = parse_chat_messages(body.messages)
+            rendered, images, videos = parse_chat_messages(body.messages)
             text = self.frontend.tokenizer.apply_chat_template(
                 rendered, body.add_generation_prompt, **(body.chat_template_kwargs or {})
             )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        images = await self._fetch_media(images)
-        return await self._process(text, images, "messages"), params
+        images, videos = await self._fetch_media(images, videos)
+        return await self._process(text, images, "messages", videos), params
 
     async def chat_response(self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams) -> dict:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -185,6 +235,7 @@ class Serving:
                 for c in final.outputs
             ],
             "usage": self._usage(prompt, final),
+            "vlmserve": self._extension([prompt]),
         }
 
     async def chat_stream(
@@ -197,7 +248,7 @@ class Serving:
         sent_tokens = [0] * params.n
         for i in range(params.n):
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield _sse(base | {"choices": [role]})
+            yield _sse(base | {"choices": [role]} | ({"vlmserve": self._extension([prompt])} if i == 0 else {}))
         final = None
         try:
             async for output in self._outputs(request_id, prompt, params):
@@ -274,6 +325,7 @@ class Serving:
             "model": self.ctx.model_name,
             "choices": choices,
             "usage": usage,
+            "vlmserve": self._extension(prompts, with_prompt_index=True),
         }
 
     async def _last(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> RequestOutput:
@@ -305,6 +357,7 @@ class Serving:
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         sent: dict[tuple[int, int], int] = {}
         done = 0
+        extension = {"vlmserve": self._extension(prompts, with_prompt_index=True)}  # on the first chunk
         try:
             while done < len(tasks):
                 item = await queue.get()
@@ -322,8 +375,10 @@ class Serving:
                     delta = c.text[sent.get(key, 0) :]
                     if delta or c.finish_reason is not None:
                         sent[key] = len(c.text)
+                        first, extension = extension, {}
                         yield _sse(
                             base
+                            | first
                             | {
                                 "choices": [
                                     {
