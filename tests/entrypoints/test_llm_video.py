@@ -201,3 +201,46 @@ def test_bad_videos_are_named_and_the_llm_keeps_serving(llm: LLM, prompts: list[
             ]
         )
     assert llm.generate(video_prompt, GREEDY)[0].outputs[0].token_ids == alone[1]
+
+
+# -- Qwen2.5-VL: the same prompts, absolute-time positions ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm25(tiny25_dir: Path) -> LLM:
+    return LLM(
+        tiny25_dir,
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=8,
+        kv_cache_memory_gib=0.02,
+        limit_mm_per_prompt={"image": 2, "video": 2},
+    )
+
+
+def test_qwen2_5_vl_mixed_batch_equals_each_alone_and_transformers(  # type: ignore[no-untyped-def]
+    llm25: LLM, prompts: list[Any], clip: bytes, picture: Image.Image, tiny25_dir: Path, hf25_model
+) -> None:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    alone = [llm25.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    together = llm25.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert len({tuple(tokens) for tokens in alone}) >= 3
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny25_dir))
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(tiny25_dir))
+    processor = llm25.llm_engine.processor
+    for k in (1, 3):
+        text = prompts[k]["prompt"]
+        pictures = [picture] if k == 3 else []
+        ours = processor.process(text, [ImageInput(p) for p in pictures], [VideoInput(clip, VideoOptions(**KWARGS))])
+        (video,) = [item for item in ours.mm_items if item.modality == "video"]
+        media = [*pictures, (video.pixel_values, video.grid_thw, video.second_per_grid_t)]
+        ids, vision = hf_mm_prompt_ids(tokenizer, image_processor, text, media)
+        assert ids == ours.prompt_token_ids
+        # tokens_per_second 2 x 0.5 s per temporal patch: one position per patch, as transformers.
+        assert hf_mm_greedy(hf25_model, ids, vision, MAX_NEW) == alone[k]
+    engine = llm25.llm_engine
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
