@@ -45,6 +45,24 @@ def test_chat_streams_the_same_answer_as_the_api(tiny_dir: Path) -> None:
     assert expected.strip()
 
 
+def test_chat_with_a_video_on_qwen2_5_vl(tiny25_dir: Path, tmp_path: Path) -> None:
+    from tests.conftest import write_video
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(write_video(24, fps=12, width=96, height=64))
+    question = "What happens?"
+    args = ("--video", str(clip), question, "--max-tokens", "6", "--temperature", "0", "--dtype", "float32")
+    result = vlmserve("chat", str(tiny25_dir), *args)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(tiny25_dir, dtype="float32", max_model_len=8192, kv_cache_memory_gib=0.01)
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": str(clip)}, {"type": "text", "text": question}]}
+    ]
+    (output,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6))
+    assert [item.modality for item in output.mm_items] == ["video"]
+    assert result.stdout == output.outputs[0].text + "\n"
+
+
 def test_chat_reports_bad_images(tiny_dir: Path) -> None:
     result = vlmserve("chat", str(tiny_dir), "--image", "/no/such.png", "hi", "--dtype", "float32")
     assert result.returncode == 2

@@ -1,6 +1,6 @@
 """The `vlmserve` command line.
 
-vlmserve chat [MODEL] [--image PATH ...] [--draw-boxes OUT.png] "question"
+vlmserve chat [MODEL] [--image PATH ...] [--video PATH ...] [--draw-boxes OUT.png] "question"
                                                        stream an answer (and draw its boxes)
 vlmserve make-tiny OUT_DIR [--arch qwen2_5_vl]         write a tiny random-weight checkpoint
 """
@@ -33,8 +33,16 @@ def _chat(args: argparse.Namespace) -> int:
             "(no MODEL given: using the embedded tiny random-weight checkpoint; its answers are random text)",
             file=sys.stderr,
         )
-    llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=1)
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=1,
+        limit_mm_per_prompt={"image": max(8, len(args.image)), "video": max(1, len(args.video))},
+    )
     content: list[dict[str, object]] = [{"type": "image", "image": image} for image in args.image]
+    content += [{"type": "video", "video": video} for video in args.video]
     content.append({"type": "text", "text": question})
     messages: list[dict[str, object]] = []
     if args.system:
@@ -120,6 +128,7 @@ def _chat_parser() -> argparse.ArgumentParser:
         help="checkpoint directory or hub id (default: the embedded tiny checkpoint), then the question",
     )
     chat.add_argument("--image", action="append", default=[], help="image path or URL (repeatable)")
+    chat.add_argument("--video", action="append", default=[], help="video path or URL (repeatable; 2 frames/s)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's generation config")
