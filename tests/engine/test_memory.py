@@ -87,6 +87,8 @@ def test_activation_peak_grows_with_the_token_budget(tiny_dir: Path) -> None:
         max_num_seqs=2,
         max_num_batched_tokens=256,
         mm_processor_kwargs={"max_pixels": 64 * 28 * 28},
+        # No video: a prompt-long video's encoding would be the peak of both, whatever the budget.
+        limit_mm_per_prompt={"image": 8, "video": 0},
     ).llm_engine.memory_plan
     large = LLM(
         tiny_dir,
@@ -95,6 +97,7 @@ def test_activation_peak_grows_with_the_token_budget(tiny_dir: Path) -> None:
         max_num_seqs=2,
         max_num_batched_tokens=2048,
         mm_processor_kwargs={"max_pixels": 64 * 28 * 28},
+        limit_mm_per_prompt={"image": 8, "video": 0},
     ).llm_engine.memory_plan
     # 8x the tokens: the 151936-wide logits of the sampled rows dominate neither; the MLP does.
     assert large.activation_bytes > small.activation_bytes
