@@ -43,3 +43,21 @@ def test_hub_id_without_network_fails_clearly(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(OSError, match="could not download it from the Hugging Face hub.*local checkpoint"):
         resolve_model_dir("Qwen/Qwen2-VL-2B-Instruct")
+
+
+def test_pytorch_pickles_load_when_there_are_no_safetensors(tiny_dir: Path, tmp_path: Path) -> None:
+    """Qwen-VL-Chat publishes pytorch_model-0000N-of-0000M.bin shards with an index."""
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "bin"
+    shutil.copytree(tiny_dir, ckpt, ignore=shutil.ignore_patterns("*.safetensors*"))
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    names = sorted(weights)
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, part in halves.items():
+        torch.save({n: weights[n] for n in part}, ckpt / file)
+    index = {"weight_map": {n: f for f, part in halves.items() for n in part}}
+    (ckpt / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    loaded = dict(iterate_weights(ckpt))
+    assert sorted(loaded) == names and all(torch.equal(loaded[n], weights[n]) for n in names)

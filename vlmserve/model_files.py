@@ -12,6 +12,9 @@ import torch
 
 # What a serving engine needs from a hub repository; original/*.pth and the like stay behind.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "merges.txt", "vocab.json", "*.tiktoken"]
+# Older checkpoints (Qwen-VL-Chat among them) publish PyTorch pickles only: fetched when a
+# repository has no safetensors.
+BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
@@ -31,11 +34,16 @@ def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:  # A complete local copy needs no network.
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+        if _has_weights(path):
+            return path
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        if not any(path.glob("*.safetensors")):
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS + BIN_PATTERNS))
+        return path
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
@@ -43,6 +51,10 @@ def _download(repo_id: str, revision: str | None) -> Path:
             f"model {repo_id!r}: could not download it from the Hugging Face hub ({type(e).__name__}: {e}). "
             "Without network access, pass the path of a local checkpoint directory instead."
         ) from None
+
+
+def _has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -59,8 +71,15 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The weight files: those named by model.safetensors.index.json, else model.safetensors,
-    else every *.safetensors file in the directory."""
+    else every *.safetensors file in the directory; without any, the PyTorch pickles
+    (pytorch_model.bin.index.json, pytorch_model*.bin)."""
     index = model_dir / "model.safetensors.index.json"
+    if not index.is_file() and not any(model_dir.glob("*.safetensors")):
+        index = model_dir / "pytorch_model.bin.index.json"
+        if not index.is_file():
+            files = sorted(model_dir.glob("pytorch_model*.bin"))
+            if files:
+                return files
     if index.is_file():
         weight_map = read_json(index).get("weight_map", {})
         files = sorted({model_dir / name for name in weight_map.values()})
@@ -81,6 +100,11 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in safetensors_files(model_dir):
+        if file.suffix == ".bin":
+            # weights_only: tensors and plain containers only, never arbitrary pickled objects.
+            state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)

@@ -2,7 +2,8 @@
 
 vlmserve chat [MODEL] [--image PATH ...] [--video PATH ...] [--draw-boxes OUT.png] "question"
                                                        stream an answer (and draw its boxes)
-vlmserve make-tiny OUT_DIR [--arch qwen2_5_vl]         write a tiny random-weight checkpoint
+vlmserve make-tiny OUT_DIR [--arch qwen2_5_vl|qwen_vl] write a tiny random-weight checkpoint
+vlmserve inspect MODEL_OR_CONFIG [--dtype bfloat16]    parameters per part, weight and KV cache memory
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def _chat(args: argparse.Namespace) -> int:
         mm_items = output.mm_items
     print()
     if convention is not None:
-        first_image = next(item for item in mm_items if item.modality == "image")
-        return _draw_boxes(text, args.image[0], first_image, convention, args.draw_boxes)
+        # The latest picture, as Qwen-VL's draw_bbox_on_latest_picture: the one the question is about.
+        latest = [item for item in mm_items if item.modality == "image"][-1]
+        return _draw_boxes(text, args.image[-1], latest, convention, args.draw_boxes)
     return 0
 
 
@@ -86,12 +88,12 @@ def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
 
 
 def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path) -> int:
-    """The answer's boxes on the first image, in its original pixels: printed, and drawn into `out`."""
+    """The answer's boxes on the latest image, in its original pixels: printed, and drawn into `out`."""
     from vlmserve.grounding import draw_answer
     from vlmserve.multimodal.media import load_image
 
     try:
-        image = load_image(source, "image 1")  # as the processor decoded it (EXIF rotation applied)
+        image = load_image(source, "the latest image")  # as the processor decoded it (EXIF rotation applied)
         if image.size != tuple(item.original_size):
             raise ValueError(f"{source} is {image.size} now; the model saw it as {item.original_size}")
         _, lines = draw_answer(text, image, convention, item.resized_size, out)
@@ -105,8 +107,16 @@ def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Co
 def _make_tiny(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from vlmserve.tools.tiny_checkpoint import PRESETS, write_tiny_qwen2_vl
+    from vlmserve.tools.tiny_checkpoint import PRESETS, write_tiny_qwen2_vl, write_tiny_qwen_vl
 
+    if args.arch == "qwen_vl":
+        if args.nested_config or args.preset != "tiny":
+            print("error: --arch qwen_vl has one layout and one preset (no --nested-config, --preset)", file=sys.stderr)
+            return 2
+        # Qwen-VL-Chat's lm_head is always untied: --untied changes nothing.
+        out = write_tiny_qwen_vl(args.out_dir, seed=args.seed, num_shards=args.shards)
+        print(f"wrote a tiny random-weight Qwen-VL-Chat checkpoint to {out}")
+        return 0
     base = PRESETS[(args.arch, args.preset)]
     spec = dataclasses.replace(base, tie_word_embeddings=not args.untied)
     out = write_tiny_qwen2_vl(
@@ -141,7 +151,7 @@ def _chat_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="OUT.png",
-        help="parse the answer's grounding boxes, print them in the first image's original pixels and draw them "
+        help="parse the answer's grounding boxes, print them in the latest image's original pixels and draw them "
         "on it into this PNG",
     )
     chat.add_argument(
@@ -158,7 +168,7 @@ def _chat_parser() -> argparse.ArgumentParser:
 def _make_tiny_parser() -> argparse.ArgumentParser:
     tiny = argparse.ArgumentParser(
         prog="vlmserve make-tiny",
-        description="Write a tiny random-weight Qwen2-VL or Qwen2.5-VL checkpoint in the hub layout.",
+        description="Write a tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen-VL-Chat checkpoint in the hub layout.",
     )
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -171,12 +181,49 @@ def _make_tiny_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="bench: Qwen2-VL-2B's language-model width with 4 layers and a narrow vision tower",
     )
-    tiny.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl", help="model family")
+    tiny.add_argument(
+        "--arch",
+        choices=["qwen2_vl", "qwen2_5_vl", "qwen_vl"],
+        default="qwen2_vl",
+        help="model family (qwen_vl: Qwen-VL-Chat, the first generation)",
+    )
     tiny.set_defaults(func=_make_tiny)
     return tiny
 
 
-COMMANDS = {"chat": _chat_parser, "make-tiny": _make_tiny_parser}
+def _inspect(args: argparse.Namespace) -> int:
+    from vlmserve.config import parse_dtype
+    from vlmserve.inspect import format_report, inspect_config, load_config
+
+    try:
+        config = load_config(args.model)
+        dtype = parse_dtype(args.dtype, config.checkpoint_dtype or parse_dtype("bfloat16"))
+        report = inspect_config(config, dtype)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 0
+
+
+def _inspect_parser() -> argparse.ArgumentParser:
+    inspect = argparse.ArgumentParser(
+        prog="vlmserve inspect",
+        description="Count a model's parameters per part and the memory its weights and KV cache need, from its "
+        "config.json alone (no weights are read).",
+    )
+    inspect.add_argument("model", metavar="MODEL_OR_CONFIG", help="a checkpoint directory or a config.json")
+    inspect.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the weights and KV cache (default: the checkpoint's, else bfloat16)",
+    )
+    inspect.set_defaults(func=_inspect)
+    return inspect
+
+
+COMMANDS = {"chat": _chat_parser, "make-tiny": _make_tiny_parser, "inspect": _inspect_parser}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,10 @@ from vlmserve.models.base import VLModel
 from vlmserve.models.layers import bind_linear_op
 from vlmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vlmserve.models.qwen_vl import QWenLMHeadModel
 
 MODEL_REGISTRY: dict[str, type[VLModel]] = {
+    "QWenLMHeadModel": QWenLMHeadModel,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }

@@ -1,0 +1,126 @@
+"""`vlmserve inspect`: parameter counts per part from a config alone, against the seed's table for
+Qwen-VL-Chat (seed 000) and the totals the hub lists for the Qwen2-VL / Qwen2.5-VL safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmserve.config import ModelConfig
+from vlmserve.entrypoints.cli import main
+from vlmserve.inspect import inspect_config, load_config
+
+QWEN_VL_CHAT = Path(__file__).parent / "fixtures" / "qwen_vl_chat"
+
+QWEN2_VL_2B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "vision_config": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+        "in_chans": 3,
+        "hidden_size": 1536,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 128000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 152064,
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+
+
+def test_qwen_vl_chat_counts_are_the_seeds() -> None:
+    r = inspect_config(load_config(QWEN_VL_CHAT / "config.json"), torch.bfloat16)
+    assert r.total == 9_656_935_168
+    assert r.visual == 1_935_610_624
+    assert r.adapter == 76_054_528  # the Resampler (attn_pool)
+    assert r.block == [202_395_648] * 32
+    assert r.embedding == r.lm_head == 622_329_856
+    assert r.final_norm == 4096 and not r.tied
+    # "QWen: 7721.324544 M" in the seed: everything but the vision tower.
+    assert r.total - r.visual == 7_721_324_544
+    assert r.weight_bytes == 2 * r.total
+    assert r.kv_bytes_per_token == 32 * 2 * 32 * 128 * 2  # MHA: 32 KV heads of 128 in every layer
+
+
+def test_cli_prints_the_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    for target in (QWEN_VL_CHAT, QWEN_VL_CHAT / "config.json"):  # a directory or the file
+        assert main(["inspect", str(target)]) == 0
+        out = capsys.readouterr().out
+        for number in ("9,656,935,168", "1,935,610,624", "76,054,528", "202,395,648", "622,329,856"):
+            assert number in out
+        assert "weights in bfloat16: 19,313,870,336 bytes" in out
+        assert "KV cache per token in bfloat16: 524,288 bytes" in out
+    assert main(["inspect", str(QWEN_VL_CHAT), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "weights in float32: 38,627,740,672 bytes" in out and "1,048,576 bytes" in out
+
+
+@pytest.mark.parametrize(
+    ("raw", "total", "kv_per_token"),
+    [(QWEN2_VL_2B, 2_208_985_600, 28 * 2 * 2 * 128 * 2), (QWEN2_5_VL_7B, 8_292_166_656, 28 * 2 * 4 * 128 * 2)],
+)
+def test_qwen2_families(raw: dict, total: int, kv_per_token: int, tmp_path: Path) -> None:
+    r = inspect_config(ModelConfig.from_dict(raw), torch.bfloat16)
+    assert r.total == total
+    assert r.kv_bytes_per_token == kv_per_token
+    assert r.embedding + r.blocks + r.final_norm + r.lm_head + r.visual == r.total
+    assert r.tied == raw["tie_word_embeddings"] and (r.lm_head == 0) == r.tied
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["inspect", str(tmp_path)]) == 0
+
+
+def test_bad_targets_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "unsupported model_type 'llama'" in capsys.readouterr().err

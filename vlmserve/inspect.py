@@ -1,0 +1,137 @@
+"""What a model is made of, from its config.json alone: parameters per part and the memory its
+weights and KV cache need in a dtype. The model is built on the meta device (no weights, no
+memory), so the counts are those of the very modules vlmserve runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlmserve.attention import TorchAttentionBackend
+from vlmserve.attention.layer import PagedAttention
+from vlmserve.config import ModelConfig
+
+# Where each family keeps its parts (attribute paths in our modules, which are the checkpoint's).
+_PARTS = {
+    "QWenLMHeadModel": {
+        "embedding": "transformer.wte",
+        "blocks": "transformer.h",
+        "final_norm": "transformer.ln_f",
+        "visual": "transformer.visual",
+        "adapter": "transformer.visual.attn_pool",
+    },
+    "Qwen2VLForConditionalGeneration": {
+        "embedding": "model.embed_tokens",
+        "blocks": "model.layers",
+        "final_norm": "model.norm",
+        "visual": "visual",
+        "adapter": "visual.merger",
+    },
+}
+_PARTS["Qwen2_5_VLForConditionalGeneration"] = _PARTS["Qwen2VLForConditionalGeneration"]
+_ADAPTER_NAMES = {"QWenLMHeadModel": "resampler (attn_pool)"}
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    architecture: str
+    model_type: str
+    embedding: int
+    block: list[int]  # one entry per decoder block
+    final_norm: int
+    lm_head: int  # 0 when tied to the embedding
+    tied: bool
+    visual: int  # the whole vision tower, its adapter included
+    adapter: int  # Qwen-VL's resampler, Qwen2-VL's patch merger
+    adapter_name: str
+    total: int
+    dtype: torch.dtype
+    kv_bytes_per_token: int
+    kv_layout: str
+
+    @property
+    def blocks(self) -> int:
+        return sum(self.block)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.total * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """A config.json, or a checkpoint directory holding one."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no config.json there (give a config.json or a checkpoint directory)")
+    return ModelConfig.from_file(p)
+
+
+def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
+    from vlmserve.models import MODEL_REGISTRY
+
+    if config.architecture not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[config.architecture](config, TorchAttentionBackend())  # type: ignore[call-arg]
+    parts = _PARTS[config.architecture]
+    blocks = model.get_submodule(parts["blocks"])
+    assert isinstance(blocks, nn.ModuleList)
+    lm_head = getattr(model, "lm_head", None)
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    per_token = sum(2 * m.num_kv_heads * m.head_dim for m in layers) * _itemsize(dtype)
+    first = layers[0]
+    return ModelReport(
+        architecture=config.architecture,
+        model_type=config.model_type,
+        embedding=_count(model.get_submodule(parts["embedding"])),
+        block=[_count(b) for b in blocks],
+        final_norm=_count(model.get_submodule(parts["final_norm"])),
+        lm_head=_count(lm_head) if lm_head is not None else 0,
+        tied=lm_head is None,
+        visual=_count(model.get_submodule(parts["visual"])),
+        adapter=_count(model.get_submodule(parts["adapter"])),
+        adapter_name=_ADAPTER_NAMES.get(config.architecture, "patch merger (merger)"),
+        total=_count(model),  # a tied lm_head is not built on the meta device, so not counted twice
+        dtype=dtype,
+        kv_bytes_per_token=per_token,
+        kv_layout=f"{len(layers)} layers x (K + V) x {first.num_kv_heads} KV heads x {first.head_dim}",
+    )
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n:,} bytes ({n / 2**20:.2f} MiB)"
+
+
+def format_report(r: ModelReport) -> str:
+    dtype = str(r.dtype).removeprefix("torch.")
+    n = len(r.block)
+    same = len(set(r.block)) == 1
+    rows = [
+        ("embedding", r.embedding),
+        (f"decoder block (each of {n})" if same else "decoder block 0", r.block[0]),
+        (f"decoder blocks (all {n})", r.blocks),
+        ("final norm", r.final_norm),
+        ("lm_head" + (" (tied to the embedding)" if r.tied else ""), r.lm_head),
+        ("vision tower (adapter included)", r.visual),
+        (f"  {r.adapter_name}", r.adapter),
+        ("total", r.total),
+    ]
+    lines = [f"{r.architecture} (model_type {r.model_type!r}), parameters:"]
+    lines += [f"  {name:<40} {count:>16,}" for name, count in rows]
+    lines.append(f"weights in {dtype}: {_bytes(r.weight_bytes)}")
+    per_token = r.kv_bytes_per_token
+    lines.append(f"KV cache per token in {dtype}: {per_token:,} bytes ({per_token / 2**10:.0f} KiB; {r.kv_layout})")
+    return "\n".join(lines)
