@@ -122,7 +122,8 @@ class KVCacheManager:
             mm_keys = tuple(
                 (item.content_hash, item.offset) for item in request.mm_items if item.offset < end and item.end > start
             )
-            hashes.append(hash_block(hashes[-1] if hashes else b"", request.token_ids(start, end), mm_keys))
+            parent = hashes[-1] if hashes else (request.cache_salt or "").encode()
+            hashes.append(hash_block(parent, request.token_ids(start, end), mm_keys))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:

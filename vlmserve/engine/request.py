@@ -38,6 +38,8 @@ class Request:
         self.mm_items: list[MultiModalItem] = prompt.mm_items
         self.mrope_positions: torch.Tensor | None = prompt.mrope_positions
         self.mrope_delta = prompt.mrope_delta
+        self.ntk_context_len = prompt.ntk_context_len
+        self.cache_salt = prompt.cache_salt
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
@@ -85,7 +87,11 @@ class Request:
             # Generated tokens (and prompts without precomputed positions) advance all three
             # streams together, offset by the prompt's mrope_delta.
             delta = self.mrope_delta if self.mrope_positions is not None else 0
-            pieces.append(torch.arange(start + delta, end + delta).expand(3, -1))
+            generated = torch.arange(start + delta, end + delta).expand(3, -1)
+            if self.ntk_context_len is not None:
+                generated = generated.clone()
+                generated[1] = self.ntk_context_len - 1
+            pieces.append(generated)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def append_output_token(self, token_id: int) -> None:

@@ -1,0 +1,272 @@
+"""The Qwen-VL-Chat processor (seed 000): prompt text or token ids whose <img>...</img> spans name
+the images become a ProcessedPrompt with one 256-token item per span, the pixels the visual
+module takes and Qwen-VL's 1-D positions.
+
+An image occupies the 256 positions between <img> and </img> (the tokenizer writes its URL's
+bytes there, padded with <imgpad>; the model overwrites all 256 with the image's features):
+
+    ids     ... <img> 104 116 ... <imgpad> ... </img> ...
+    index       p     p+1              ...    p+257
+    item        offset = p + 1, length = 256, grid_thw = (1, 32, 32): the ViT's 32 x 32 patches of
+                14 pixels, resampled to 256 queries
+
+Images come from the spans' URLs (what the reference does: the token ids carry the path), or,
+when `images` are passed, from those, one per span in order (the span's bytes are then only a
+label: the chat bridge writes nothing there for an image given as bytes, a PIL image or a long
+data: URL). Each is decoded by load_image (media limits, errors naming the image), converted to
+RGB, resized to 448 x 448 bicubic and normalised with the CLIP mean and std in float32, as the
+reference's torchvision transform does.
+
+Positions are 1-D (Qwen's rotary embedding), carried in the [3, N] M-RoPE layout the engine
+uses:
+
+    row 0 = row 2 = arange(N)     the rotary position of each token
+    row 1 = N - 1                 for every prompt token; + 1 is the sequence length the reference
+                                  had in view when it computed the token (it runs the whole prompt
+                                  in one forward), which its dynamic NTK scaling depends on
+
+and mrope_delta = 0: decoded token i sits at i on rows 0 and 2. Row 1 stays N - 1 while
+decoding (ntk_context_len = N): the reference chooses ntk_alpha from the prompt's length at
+prefill and keeps it for every decode step (QWenModel.forward's `else: ntk_alpha =
+self.rotary_emb._ntk_alpha_cached`; seed 000 notes the check is true only at the start of
+generate).
+
+Note: load_image applies the EXIF orientation; the reference opens files with PIL and does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vlmserve.models.qwen_vl import ntk_alpha
+from vlmserve.multimodal.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSizing
+from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
+from vlmserve.processor.qwen2_vl import ImageInput, ProcessorLimits, VideoInput
+from vlmserve.qwen_vl.tokenizer import IMG_TOKEN_SPAN, QwenVLTokenizer
+
+IMAGE_SIZE = 448
+PATCH_SIZE = 14
+GRID_THW = (1, IMAGE_SIZE // PATCH_SIZE, IMAGE_SIZE // PATCH_SIZE)  # the ViT's patch grid
+
+
+def positions(num_tokens: int, items: Sequence[MultiModalItem] = ()) -> tuple[torch.Tensor, int]:
+    """([3, num_tokens] int64 positions, mrope_delta) of a Qwen-VL prompt (module docstring).
+    Images do not change them; `items` is taken for the same call shape as mrope_positions."""
+    del items
+    index = torch.arange(num_tokens, dtype=torch.int64)
+    seen = torch.full((num_tokens,), num_tokens - 1, dtype=torch.int64)
+    return torch.stack([index, seen, index]), 0  # [3, num_tokens]
+
+
+def check_image_items(token_ids: Sequence[int], items: Sequence[MultiModalItem], image_start_id: int) -> None:
+    """For a prompt rebuilt from token ids and items elsewhere (the engine process): each item
+    must fill the 256 positions of one <img> span (<img> is image_start_id, </img> the next id,
+    config.json's visual.image_start_id), and every span must have its item."""
+    starts = [i + 1 for i, t in enumerate(token_ids) if t == image_start_id]
+    offsets = [item.offset for item in items]
+    if offsets != starts:
+        raise ValueError(f"image items at {offsets} do not match the <img> spans after positions {starts}")
+    for item in items:
+        if item.modality != "image" or item.length != IMG_TOKEN_SPAN:
+            raise ValueError(
+                f"a Qwen-VL item is an image of {IMG_TOKEN_SPAN} tokens, got {item.modality} x {item.length}"
+            )
+        if item.end >= len(token_ids) or token_ids[item.end] != image_start_id + 1:
+            raise ValueError(f"the <img> span at {item.offset - 1} is not closed by </img> at {item.end}")
+
+
+def preprocess_image(image: Image.Image, size: int = IMAGE_SIZE) -> tuple[torch.Tensor, str]:
+    """([3, size, size] float32 pixel values, content hash) as the reference's
+    Resize((size, size), BICUBIC) -> ToTensor -> Normalize(CLIP mean, std) on image.convert("RGB")."""
+    rgb = image.convert("RGB")
+    if rgb.size != (size, size):
+        rgb = rgb.resize((size, size), resample=Image.Resampling.BICUBIC)
+    pixels = np.asarray(rgb, dtype=np.uint8)  # [size, size, 3]
+    digest = hashlib.blake2b(pixels.tobytes(), digest_size=16, person=b"qwen-vl-448").hexdigest()
+    # float32 throughout, in torchvision's order: / 255, - mean, / std.
+    scaled = pixels.astype(np.float32) / np.float32(255)
+    mean = np.asarray(OPENAI_CLIP_MEAN, dtype=np.float32)
+    std = np.asarray(OPENAI_CLIP_STD, dtype=np.float32)
+    chw = ((scaled - mean) / std).transpose(2, 0, 1)  # [3, size, size]
+    return torch.from_numpy(np.ascontiguousarray(chw)), digest
+
+
+class QwenVLProcessor:
+    """Same interface as Qwen2VLProcessor. `vocab_size` bounds the token ids a prompt may hold
+    (the model's embedding rows; the tokenizer's 151860 ids by default)."""
+
+    def __init__(
+        self,
+        tokenizer: QwenVLTokenizer,
+        limits: ProcessorLimits,
+        media_limits: MediaLimits = DEFAULT_LIMITS,
+        vocab_size: int | None = None,
+        ntk_seq_length: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        # config.json's seq_length when use_dynamic_ntk: past it a prompt's KV depends on its
+        # length (the rotary base), so such prompts get a cache salt naming the base.
+        self.ntk_seq_length = ntk_seq_length
+        self.limits = limits
+        self.media_limits = media_limits
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+
+    # -- what the memory planner needs ----------------------------------------------------------
+
+    def max_items_per_prompt(self) -> dict[str, int]:
+        return {"image": self.limits.limit("image"), "video": 0}
+
+    def max_tokens_per_item(self) -> dict[str, int]:
+        return {"image": IMG_TOKEN_SPAN}
+
+    def dummy_items(
+        self, count: int, tokens_per_item: int = IMG_TOKEN_SPAN, modality: str = "image"
+    ) -> list[MultiModalItem]:
+        """`count` images of random pixels: every Qwen-VL image is the same size, 256 tokens."""
+        if modality != "image":
+            raise ValueError("Qwen-VL-Chat has no video input")
+        return [
+            MultiModalItem(
+                modality="image",
+                offset=0,
+                length=IMG_TOKEN_SPAN,
+                grid_thw=GRID_THW,
+                content_hash=f"dummy-image-{k}",
+                pixel_values=torch.randn(3, IMAGE_SIZE, IMAGE_SIZE),
+                original_size=(IMAGE_SIZE, IMAGE_SIZE),
+                resized_size=(IMAGE_SIZE, IMAGE_SIZE),
+            )
+            for k in range(count)
+        ]
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, str]]:
+        """(offset of the span's first inner position, URL or "" when it holds none) per span.
+        A span must hold exactly 256 ids; a </img> closing no <img> is an error, as it is for the
+        reference model (it pairs the k-th <img> with the k-th </img>)."""
+        tok = self.tokenizer
+        spans: list[tuple[int, str]] = []
+        i = 0
+        while i < len(token_ids):
+            token = token_ids[i]
+            if token == tok.img_end_id:
+                raise ValueError(f"</img> at position {i} closes no <img>")
+            if token != tok.img_start_id:
+                i += 1
+                continue
+            stop = i + 1 + IMG_TOKEN_SPAN
+            if stop >= len(token_ids) or token_ids[stop] != tok.img_end_id:
+                raise ValueError(
+                    f"image {len(spans) + 1}: the <img> at position {i} must be followed by {IMG_TOKEN_SPAN} "
+                    "positions and </img>; write <img>URL</img> in the text (the tokenizer pads it)"
+                )
+            inner = list(token_ids[i + 1 : stop])
+            if tok.img_start_id in inner or tok.img_end_id in inner:
+                raise ValueError(f"image {len(spans) + 1}: <img> or </img> inside the span at position {i}")
+            url = tok.image_span_url(inner)
+            spans.append((i + 1, url or ""))
+            i = stop + 1
+        return spans
+
+    def process(
+        self, prompt: str | list[int], images: Sequence[ImageInput] = (), videos: Sequence[VideoInput] = ()
+    ) -> ProcessedPrompt:
+        """`prompt` holds one <img>...</img> span per image. Without `images`, each span's URL is
+        loaded; with them, there must be one per span, and they are used in span order."""
+        if videos:
+            raise ValueError("Qwen-VL-Chat has no video input")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt token ids must be in 0..{self.vocab_size - 1}; position {bad} holds {token_ids[bad]}"
+            )
+        spans = self.image_spans(token_ids)
+        inputs = self._image_inputs(spans, images)
+        num_tokens = len(token_ids)
+        if num_tokens >= self.limits.max_model_len:
+            raise ValueError(
+                f"prompt needs {num_tokens} tokens ({len(spans)} image(s) of {IMG_TOKEN_SPAN}), which leaves no "
+                f"room to generate within max_model_len={self.limits.max_model_len}"
+            )
+        items = [self._image_item(image, offset) for (offset, _), image in zip(spans, inputs, strict=True)]
+        pos, delta = positions(num_tokens, items)
+        return ProcessedPrompt(
+            prompt_token_ids=token_ids,
+            mm_items=items,
+            mrope_positions=pos,
+            mrope_delta=delta,
+            prompt=text,
+            ntk_context_len=num_tokens,
+            cache_salt=self._cache_salt(num_tokens),
+        )
+
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """A prompt whose images were processed elsewhere (the API process): each item must fill
+        one <img> span; positions rebuilt."""
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        check_image_items(token_ids, items, self.tokenizer.img_start_id)
+        pos, delta = positions(len(token_ids), items)
+        return ProcessedPrompt(
+            token_ids, items, pos, delta, ntk_context_len=len(token_ids), cache_salt=self._cache_salt(len(token_ids))
+        )
+
+    def _cache_salt(self, num_tokens: int) -> str | None:
+        if self.ntk_seq_length is None:
+            return None
+        alpha = ntk_alpha(num_tokens, self.ntk_seq_length)
+        return None if alpha == 1 else f"ntk-alpha-{alpha}"
+
+    def _image_inputs(self, spans: list[tuple[int, str]], images: Sequence[ImageInput]) -> list[ImageInput]:
+        limit = self.limits.limit("image")
+        if images and len(images) != len(spans):
+            raise ValueError(
+                f"the prompt holds {len(spans)} <img>...</img> span(s) but {len(images)} image(s) were given; "
+                "write 'Picture N: <img></img>\\n' once per image, where it belongs"
+            )
+        if not images:
+            images = [ImageInput(url, label=f"image {k + 1} (<img>{url}</img>)") for k, (_, url) in enumerate(spans)]
+        if len(images) > limit:
+            raise ValueError(
+                f"too many images: {len(images)} given, at most {limit} per prompt "
+                f"(the first one over: {images[limit].label})"
+            )
+        for image, (offset, _) in zip(images, spans, strict=True):
+            if image.sizing != ImageSizing():
+                raise ValueError(
+                    f"{image.label}: Qwen-VL-Chat resizes every image to {IMAGE_SIZE}x{IMAGE_SIZE}; "
+                    "min_pixels, max_pixels, resized_height and resized_width do not apply"
+                )
+            if isinstance(image.source, str) and not image.source:
+                raise MediaError(
+                    f"{image.label}: the <img></img> span at position {offset - 1} names no image; "
+                    "write its path or URL between the tags or pass the image"
+                )
+        return list(images)
+
+    def _image_item(self, image: ImageInput, offset: int) -> MultiModalItem:
+        pil = load_image(image.source, image.label, self.media_limits)
+        if pil.width <= 0 or pil.height <= 0:
+            raise MediaError(f"{image.label}: image is zero-sized ({pil.width}x{pil.height})")
+        pixel_values, content_hash = preprocess_image(pil)
+        return MultiModalItem(
+            modality="image",
+            offset=offset,
+            length=IMG_TOKEN_SPAN,
+            grid_thw=GRID_THW,
+            content_hash=content_hash,
+            pixel_values=pixel_values,
+            original_size=(pil.width, pil.height),
+            resized_size=(IMAGE_SIZE, IMAGE_SIZE),
+        )
