@@ -150,3 +150,12 @@ def write_video(
         for packet in stream.encode():
             out.mux(packet)
     return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen-VL-Chat in its published layout (qwen.tiktoken, remote-code config, seq_length 64 so
+    that dynamic NTK and logn act on tiny prompts)."""
+    from vlmserve.tools.tiny_checkpoint import write_tiny_qwen_vl
+
+    return write_tiny_qwen_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen-vl")

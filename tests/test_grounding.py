@@ -171,11 +171,15 @@ def test_unfinished_or_odd_tags_are_skipped() -> None:
     text = (
         "<ref>x</ref><box>(1,2),(3</box>"  # 3 numbers
         "<box>(1,2),(3,4),(5,6)</box>"  # 6 numbers
-        "<ref>quad</ref><quad>(568,121),(625,131),(624,182),(567,172)</quad>"  # quads are not boxes
+        "<ref>sign</ref><quad>(568,121),(625,131),(624,182),(567,172)</quad>"  # a quad: 4 corners
+        "<quad>(1,2),(3,4)</quad>"  # a quad needs 8 numbers
         "<box>(10,20),(30,40)</box>"  # fine, but after a quad: no label
         "<box>(9,9),(99,99)"  # no end tag (cut by max_tokens)
     )
-    assert [(b.label, b.values) for b in find_boxes(text)] == [(None, (10, 20, 30, 40))]
+    assert [(b.label, b.kind, b.values) for b in find_boxes(text)] == [
+        ("sign", "quad", (568, 121, 625, 131, 624, 182, 567, 172)),
+        (None, "box", (10, 20, 30, 40)),
+    ]
 
 
 # -- the JSON syntax ----------------------------------------------------------------------------
@@ -342,3 +346,30 @@ def test_no_boxes_still_writes_the_image(tmp_path: Path) -> None:
     boxes, lines = draw_answer("A random answer.", image, "qwen2-vl", resized(123, 77), tmp_path / "none.png")
     assert boxes == [] and lines[0].startswith("0 boxes")
     assert np.array_equal(np.asarray(Image.open(tmp_path / "none.png")), np.asarray(image))
+
+
+@pytest.mark.parametrize(
+    ("text", "convention"),
+    [
+        ("<ref>路牌</ref><quad>(100,200),(500,210),(490,400),(90,390)</quad>", "qwen-vl"),
+        (
+            "<|object_ref_start|>路牌<|object_ref_end|><|quad_start|>(100,200),(500,210),(490,400),(90,390)<|quad_end|>",
+            "qwen2-vl",
+        ),
+    ],
+)
+def test_quads_keep_their_four_corners_in_original_pixels(text: str, convention: str) -> None:
+    (quad,) = parse_boxes(text, convention, (2000, 1000), (1988, 1008))  # type: ignore[arg-type]
+    assert quad.kind == "quad" and quad.label == "路牌"
+    assert quad.corners == ((200.0, 200.0), (1000.0, 210.0), (980.0, 400.0), (180.0, 390.0))
+    assert quad.xyxy == (180.0, 200.0, 1000.0, 400.0)  # encloses the corners
+    assert not quad.clamped
+
+
+def test_a_quad_past_the_edge_is_clamped_and_drawn_as_a_polygon() -> None:
+    (quad,) = parse_boxes("<quad>(500,100),(1200,100),(1200,600),(500,600)</quad>", "qwen-vl", (200, 100), (196, 112))
+    assert quad.clamped and quad.unclamped == (100.0, 10.0, 240.0, 60.0)
+    assert quad.corners == ((100.0, 10.0), (200.0, 10.0), (200.0, 60.0), (100.0, 60.0))
+    drawn = np.asarray(draw_boxes(Image.new("RGB", (200, 100), "white"), [quad], line_width=1))
+    assert (drawn[10, 120:190] != 255).any(axis=-1).all()  # the top edge is inked
+    assert (drawn[30:40, 120:180] == 255).all()  # the inside is not

@@ -61,15 +61,16 @@ class RawBox:
     """A box or point as written in the text, before any mapping."""
 
     label: str | None
-    values: tuple[float, ...]  # (x1, y1, x2, y2) for a box, (x, y) for a point
-    kind: Literal["box", "point"]
+    values: tuple[float, ...]  # (x1, y1, x2, y2) for a box, (x, y) for a point, 4 corners for a quad
+    kind: Literal["box", "point", "quad"]
     start: int  # where in the text it was found
 
 
 @dataclass(frozen=True)
 class Box:
     """A box in the ORIGINAL image's pixels: 0 <= x1 <= x2 <= width, 0 <= y1 <= y2 <= height.
-    A point has x1 == x2 and y1 == y2."""
+    A point has x1 == x2 and y1 == y2. A quadrilateral (<quad>, <|quad_start|>: text regions)
+    keeps its four corners in `corners` (clamped like the rest); x1..y2 enclose them."""
 
     label: str | None
     x1: float
@@ -78,11 +79,12 @@ class Box:
     y2: float
     convention: Convention
     raw: tuple[float, ...]  # the numbers as the model wrote them
-    kind: Literal["box", "point"] = "box"
+    kind: Literal["box", "point", "quad"] = "box"
     clamped: bool = False  # reached past the image and was cut to it
     unclamped: tuple[float, float, float, float] | None = None  # mapped values before clamping, when clamped
     swapped: bool = False  # corners were out of order
     degenerate: bool = False  # a box (not a point) of zero width or height
+    corners: tuple[tuple[float, float], ...] | None = None  # a quad's four corners, in writing order
 
     @property
     def xyxy(self) -> tuple[float, float, float, float]:
@@ -93,15 +95,23 @@ class Box:
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _TAGS = {
-    "qwen2-vl": ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>"),
-    "qwen-vl": ("<ref>", "</ref>", "<box>", "</box>"),
+    "qwen2-vl": (
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+    ),
+    "qwen-vl": ("<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>"),
 }
 _TAGGED = [
     re.compile(
-        rf"{re.escape(rs)}(?P<ref>.*?){re.escape(re_)}|{re.escape(bs)}(?P<box>.*?){re.escape(be)}",
+        rf"{re.escape(rs)}(?P<ref>.*?){re.escape(re_)}|{re.escape(bs)}(?P<box>.*?){re.escape(be)}"
+        rf"|{re.escape(qs)}(?P<quad>.*?){re.escape(qe)}",
         re.DOTALL,
     )
-    for rs, re_, bs, be in _TAGS.values()
+    for rs, re_, bs, be, qs, qe in _TAGS.values()
 ]
 # Between a ref and its boxes, or between two boxes of one ref, only separators may stand.
 _SEPARATOR = re.compile(r"[\s,;，、]*")
@@ -135,6 +145,12 @@ def _find_tagged(text: str) -> Iterator[RawBox]:
             if label is not None and not _SEPARATOR.fullmatch(text, attach_from, m.start()):
                 label = None
             attach_from = m.end()
+            if m.group("quad") is not None:
+                corners = _numbers(m.group("quad"))
+                if len(corners) == 8:
+                    yield RawBox(label, tuple(corners), "quad", m.start())
+                label = None  # a ref names one quad; a box after it is its own
+                continue
             values = _numbers(m.group("box"))
             if len(values) == 2:
                 yield RawBox(label, tuple(values), "point", m.start())
@@ -231,6 +247,8 @@ def to_original(
         sx, sy = width / resized_size[0], height / resized_size[1]
     else:
         sx, sy = width / NORMALIZED_SCALE, height / NORMALIZED_SCALE
+    if raw.kind == "quad":
+        return _quad_to_original(raw, convention, (width, height), sx, sy)
     if raw.kind == "point":
         x, y = raw.values
         x1 = x2 = x * sx
@@ -261,6 +279,34 @@ def to_original(
     )
 
 
+def _quad_to_original(raw: RawBox, convention: Convention, size: tuple[int, int], sx: float, sy: float) -> Box:
+    width, height = size
+    mapped = [(raw.values[i] * sx, raw.values[i + 1] * sy) for i in range(0, 8, 2)]
+    corners = tuple((min(max(x, 0.0), float(width)), min(max(y, 0.0), float(height))) for x, y in mapped)
+    xs, ys = [x for x, _ in corners], [y for _, y in corners]
+    clamped = corners != tuple(mapped)
+    unclamped = (
+        min(x for x, _ in mapped),
+        min(y for _, y in mapped),
+        max(x for x, _ in mapped),
+        max(y for _, y in mapped),
+    )
+    return Box(
+        label=raw.label,
+        x1=min(xs),
+        y1=min(ys),
+        x2=max(xs),
+        y2=max(ys),
+        convention=convention,
+        raw=raw.values,
+        kind="quad",
+        clamped=clamped,
+        unclamped=unclamped if clamped else None,
+        degenerate=min(xs) == max(xs) or min(ys) == max(ys),
+        corners=corners,
+    )
+
+
 def parse_boxes(
     text: str, convention: Convention, original_size: tuple[int, int], resized_size: tuple[int, int]
 ) -> list[Box]:
@@ -284,6 +330,8 @@ def format_boxes(boxes: Sequence[Box], original_size: tuple[int, int], resized_s
         name = box.label if box.label is not None else "(no label)"
         if box.kind == "point":
             where = f"point ({box.x1:.1f}, {box.y1:.1f})"
+        elif box.kind == "quad" and box.corners is not None:
+            where = "quad " + ", ".join(f"({x:.1f}, {y:.1f})" for x, y in box.corners)
         else:
             where = f"({box.x1:.1f}, {box.y1:.1f})-({box.x2:.1f}, {box.y2:.1f})"
         notes = []
@@ -347,7 +395,9 @@ def draw_boxes(image: Image.Image, boxes: Sequence[Box], line_width: int | None 
         top = min(max(math.floor(box.y1), 0), height - 1)
         right = min(max(math.ceil(box.x2) - 1, left), width - 1)
         bottom = min(max(math.ceil(box.y2) - 1, top), height - 1)
-        if box.kind == "point":
+        if box.kind == "quad" and box.corners is not None:
+            draw.polygon([(round(x), round(y)) for x, y in box.corners], outline=color, width=line)
+        elif box.kind == "point":
             arm = 3 * line + 2
             draw.line([(left - arm, top), (left + arm, top)], fill=color, width=line)
             draw.line([(left, top - arm), (left, top + arm)], fill=color, width=line)

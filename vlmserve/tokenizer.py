@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jinja2
 import jinja2.ext
@@ -14,6 +14,9 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from vlmserve.model_files import read_json
+
+if TYPE_CHECKING:
+    from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
 
 
 def load_chat_template(model_dir: Path) -> str | None:
@@ -125,3 +128,8 @@ class Tokenizer:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template could not render these messages: {e}") from None
+
+
+# What the engine and the API accept: Qwen2-VL's and Qwen2.5-VL's tokenizer.json, or Qwen-VL-Chat's
+# qwen.tiktoken (same interface).
+AnyTokenizer: TypeAlias = "Tokenizer | QwenVLTokenizer"

@@ -15,11 +15,11 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.tokenizer import Tokenizer
+from vlmserve.tokenizer import AnyTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: AnyTokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)

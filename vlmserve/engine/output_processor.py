@@ -11,7 +11,7 @@ from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.request import RequestStatus
 from vlmserve.outputs import CompletionOutput, Logprob, MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.tokenizer import Tokenizer
+from vlmserve.tokenizer import AnyTokenizer
 
 
 @dataclass
@@ -65,7 +65,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: AnyTokenizer) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
         self.samples: dict[str, _Sample] = {}  # child request id -> sample

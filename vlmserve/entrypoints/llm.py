@@ -17,10 +17,10 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.multimodal.video import OPTION_KEYS, VideoOptions
 from vlmserve.outputs import RequestOutput
-from vlmserve.processor.chat import SIZING_KEYS, parse_chat_messages
+from vlmserve.processor.chat import SIZING_KEYS
 from vlmserve.processor.qwen2_vl import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.tokenizer import Tokenizer
+from vlmserve.tokenizer import AnyTokenizer
 
 Conversation = list[dict[str, Any]]
 
@@ -75,7 +75,7 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> AnyTokenizer:
         return self.llm_engine.tokenizer
 
     def tokenize(self, inputs: list[dict[str, Any]]) -> list[int]:
@@ -159,7 +159,6 @@ class LLM:
 
     def _from_token_handles(self, ids: list[int], where: str) -> ProcessedPrompt:
         """Token ids carrying shared-memory handles (LLM.tokenize): pixels read, segments released."""
-        from vlmserve.multimodal.mrope import mrope_positions
         from vlmserve.serve.token_handles import decode
 
         config = self.llm_engine.model_config
@@ -169,10 +168,10 @@ class LLM:
             raise ValueError(f"{where}: {e}") from None
         if len(ids) >= self.llm_engine.max_model_len:
             raise ValueError(f"{where}: prompt of {len(ids)} tokens leaves no room within max_model_len")
-        positions, delta = mrope_positions(
-            len(ids), items, config.vision.spatial_merge_size, config.vision.tokens_per_second
-        )
-        return ProcessedPrompt(ids, items, positions, delta)
+        try:
+            return self.llm_engine.processor.from_token_ids(ids, items)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     # -- chat -------------------------------------------------------------------------------------
 
@@ -203,15 +202,14 @@ class LLM:
         where: str = "",
     ) -> ProcessedPrompt:
         try:
-            rendered, images, videos = parse_chat_messages(messages)
+            chat = self.llm_engine.frontend.render_chat(
+                messages, add_generation_prompt, chat_template, chat_template_kwargs or {}
+            )
         except ValueError as e:
             raise ValueError(f"{where}{e}") from None
-        images = [ImageInput(i.source, i.sizing, where + i.label) for i in images]
-        videos = [VideoInput(v.source, v.options, where + v.label) for v in videos]
-        text = self.llm_engine.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt, chat_template, **(chat_template_kwargs or {})
-        )
-        return self.llm_engine.processor.process(text, images, videos)
+        images = [ImageInput(i.source, i.sizing, where + i.label) for i in chat.images]
+        videos = [VideoInput(v.source, v.options, where + v.label) for v in chat.videos]
+        return self.llm_engine.processor.process(chat.prompt, images, videos)
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -179,6 +179,22 @@ class Qwen2VLProcessor:
             prompt_token_ids=expanded, mm_items=items, mrope_positions=positions, mrope_delta=delta, prompt=text
         )
 
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """A prompt whose items were processed elsewhere (the API process, a token-handle prompt):
+        each item's span checked against its placeholder token, positions rebuilt."""
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        placeholder = {"image": self.config.image_token_id, "video": self.config.video_token_id}
+        for item in items:
+            token = placeholder.get(item.modality)
+            if token is None:
+                raise ValueError(f"unknown modality {item.modality!r}")
+            if item.end > len(token_ids) or any(t != token for t in token_ids[item.offset : item.end]):
+                raise ValueError(f"{item.modality} placeholders at {item.offset}..{item.end} do not match the prompt")
+        positions, delta = mrope_positions(len(token_ids), items, self.merge_size, self.config.vision.tokens_per_second)
+        return ProcessedPrompt(token_ids, items, positions, delta)
+
     def _check_count(
         self, modality: str, pad: str, inputs: Sequence[ImageInput] | Sequence[VideoInput], num_pads: int
     ) -> None:

@@ -169,7 +169,7 @@ class EngineClient:
                     item.grid_thw,
                     item.content_hash,
                     seg.name,
-                    (seg.shape[0], seg.shape[1]),
+                    seg.shape,
                     item.original_size,
                     item.resized_size,
                     seg.dtype,

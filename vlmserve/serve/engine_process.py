@@ -24,7 +24,6 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.engine.request import RequestStatus
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
-from vlmserve.multimodal.mrope import mrope_positions
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve import shm, token_handles
 from vlmserve.serve.messages import (
@@ -142,20 +141,7 @@ class EngineLoop:
                 shm.unlink(spec.shm_name)
         if not items:  # seed 004: handles may travel inside the token ids
             ids, items = token_handles.decode(ids, self.config)
-        vocab = self.config.text.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        placeholder = {"image": self.config.image_token_id, "video": self.config.video_token_id}
-        for item in items:
-            token = placeholder.get(item.modality)
-            if token is None:
-                raise ValueError(f"unknown modality {item.modality!r}")
-            if item.end > len(ids) or any(t != token for t in ids[item.offset : item.end]):
-                raise ValueError(f"{item.modality} placeholders at {item.offset}..{item.end} do not match the prompt")
-        positions, delta = mrope_positions(
-            len(ids), items, self.config.vision.spatial_merge_size, self.config.vision.tokens_per_second
-        )
-        return ProcessedPrompt(ids, items, positions, delta)
+        return self.core.frontend.processor.from_token_ids(ids, items)
 
     def _send_stats(self) -> None:
         sched = self.core.scheduler

@@ -16,7 +16,7 @@ class ItemSpec(msgspec.Struct, frozen=True):
     grid: tuple[int, int, int]
     content_hash: str
     shm_name: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]  # the pixel array's: [patches, patch_dim] (Qwen2-VL), [3, 448, 448] (Qwen-VL)
     original_size: tuple[int, int]
     resized_size: tuple[int, int]
     dtype: str = "float32"

@@ -19,8 +19,8 @@ from vlmserve.grounding import convention_for_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaError
 from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.processor.chat import parse_chat_messages
 from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
+from vlmserve.processor.qwen_vl import QwenVLProcessor
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.engine_client import EngineClient, EngineDeadError, RequestRefused
 from vlmserve.serve.fetch import FetchError, FetchPolicy, fetch
@@ -207,14 +207,13 @@ class Serving:
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
         try:
-            rendered, images, videos = parse_chat_messages(body.messages)
-            text = self.frontend.tokenizer.apply_chat_template(
-                rendered, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+            chat = self.frontend.render_chat(
+                body.messages, body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs
             )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        images, videos = await self._fetch_media(images, videos)
-        return await self._process(text, images, "messages", videos), params
+        images, videos = await self._fetch_media(chat.images, chat.videos)
+        return await self._process(chat.prompt, images, "messages", videos), params
 
     async def chat_response(self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams) -> dict:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -296,7 +295,19 @@ class Serving:
             param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
             if isinstance(p, str):
                 check_text(p, param)
-            prompts.append(await self._process(p, [], param))  # the processor checks token ids
+            images: list[ImageInput] = []
+            processor = self.frontend.processor
+            if isinstance(processor, QwenVLProcessor):
+                # Qwen-VL-Chat prompts name their images inside <img>...</img>: fetched here
+                # through the guard, never by the processor.
+                p = self.frontend.tokenizer.encode(p) if isinstance(p, str) else p
+                try:
+                    spans = processor.image_spans(p)
+                except ValueError as e:
+                    raise APIError(400, str(e), param) from None
+                images = [ImageInput(url, label=f"{param} (image {k + 1})") for k, (_, url) in enumerate(spans)]
+                images, _ = await self._fetch_media(images, [])
+            prompts.append(await self._process(p, images, param))  # the processor checks token ids
         return prompts, params
 
     async def completion_response(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> dict:
