@@ -116,3 +116,8 @@ def test_bad_images_are_named_and_the_llm_goes_on(llm: LLM, pictures: list[str])
     with pytest.raises(ValueError, match="256"):
         llm.generate(f"<img>{too_long}</img>")
     assert llm.chat(conversations(pictures)[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_token_handles_are_refused_with_the_way_this_family_does_it(llm: LLM, pictures: list[str]) -> None:
+    with pytest.raises(ValueError, match="carry each image's path"):
+        llm.tokenize([{"image": pictures[0]}, {"text": "What is it?"}])
