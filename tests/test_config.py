@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.published_configs import QWEN2_VL_2B
 from vlmserve.config import ModelConfig, parse_dtype
 
 
@@ -27,34 +28,7 @@ def test_flat_and_nested_layouts_parse_alike(tiny_dir: Path, tmp_path: Path) -> 
 
 
 def test_published_2b_values() -> None:
-    # Qwen2-VL-2B-Instruct's config.json (flat layout) as published.
-    raw = {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_attention_heads": 12,
-        "num_hidden_layers": 28,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "vocab_size": 151936,
-        "vision_config": {
-            "depth": 32,
-            "embed_dim": 1280,
-            "mlp_ratio": 4,
-            "num_heads": 16,
-            "in_chans": 3,
-            "hidden_size": 1536,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-    }
+    raw = dict(QWEN2_VL_2B)  # Qwen2-VL-2B-Instruct's config.json as published
     config = ModelConfig.from_dict(raw)
     assert config.text.head_dim == 128
     assert config.vision.head_dim == 80

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Container
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -54,6 +56,24 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    from vlmserve.tools.tiktoken_to_hf import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def byte_level_token_bytes(backend: HFTokenizer, token_id: int, added: Container[int]) -> bytes:
+    """The raw bytes a byte-level BPE token stands for; an added (special) token's text."""
+    token = backend.id_to_token(token_id)
+    if token is None:
+        return b""
+    if token_id in added:
+        return token.encode()
+    decoder = _byte_decoder()
+    return bytes(decoder[ch] for ch in token if ch in decoder)
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
         tokenizer_file = model_dir / "tokenizer.json"
@@ -76,21 +96,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    @cached_property
-    def _byte_decoder(self) -> dict[str, int]:
-        from vlmserve.tools.tiktoken_to_hf import bytes_to_unicode
-
-        return {ch: b for b, ch in bytes_to_unicode().items()}
-
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (byte-level BPE), or an added token's text."""
-        token = self._tokenizer.id_to_token(token_id)
-        if token is None:
-            return b""
-        if token_id in self._tokenizer.get_added_tokens_decoder():
-            return token.encode()
-        decoder = self._byte_decoder
-        return bytes(decoder[ch] for ch in token if ch in decoder)
+        return byte_level_token_bytes(self._tokenizer, token_id, self._tokenizer.get_added_tokens_decoder())
 
     def token_to_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from tokenizers import Tokenizer as HFTokenizer
 
 from vlmserve.model_files import read_json
+from vlmserve.tokenizer import byte_level_token_bytes
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -255,21 +256,9 @@ class QwenVLTokenizer:
             ids = self._decode_image_spans(ids)
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    @cached_property
-    def _byte_decoder(self) -> dict[str, int]:
-        from vlmserve.tools.tiktoken_to_hf import bytes_to_unicode
-
-        return {ch: b for b, ch in bytes_to_unicode().items()}
-
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a BPE token stands for, or a special token's text."""
-        token = self._tokenizer.id_to_token(token_id)
-        if token is None:
-            return b""
-        if token_id in self._special_ids:
-            return token.encode()
-        decoder = self._byte_decoder
-        return bytes(decoder[ch] for ch in token if ch in decoder)
+        return byte_level_token_bytes(self._tokenizer, token_id, self._special_ids)
 
     def token_to_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
