@@ -6,6 +6,7 @@ test suite shows equal transformers' own processor outputs, so both engines see 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,16 @@ IMAGE_TOKEN_ID = 151655
 
 
 def load_hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    """transformers' model for the checkpoint's family (Qwen2-VL or Qwen2.5-VL)."""
     try:
-        from transformers import Qwen2VLForConditionalGeneration
+        import transformers
     except ImportError:
         raise SystemExit("the transformers comparison needs transformers: pip install -e '.[bench]'") from None
-    return Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=dtype).eval()
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    classes = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    if model_type not in classes:
+        raise SystemExit(f"the transformers comparison runs Qwen2-VL and Qwen2.5-VL checkpoints, not {model_type!r}")
+    return getattr(transformers, classes[model_type]).from_pretrained(str(model_dir), dtype=dtype).eval()
 
 
 class _FirstLogits:
