@@ -240,7 +240,7 @@ def test_skip_special_tokens_false_keeps_the_box_tokens_but_not_eos(tiny_dir: Pa
 
     def run(params: SamplingParams) -> tuple[str, list[MultiModalItemInfo]]:
         processor = OutputProcessor(tokenizer)
-        processor.add_request("r", None, [1, 2, 3], [12], params, mm_items=[info])
+        processor.add_request("r", None, [1, 2, 3], params, [info])
         outputs = []
         for i, token in enumerate(ids):
             done = i == len(ids) - 1

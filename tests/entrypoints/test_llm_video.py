@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import random_image, video_frame, write_video
+from tests.entrypoints.test_llm import chat_prompt
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids
 from vlmserve import LLM, SamplingParams
 from vlmserve.multimodal.video import VideoOptions
@@ -23,11 +24,6 @@ MAX_NEW = 16
 # positions stay below max(h, w) / 2 = 6, where transformers and we resume text alike.
 KWARGS = {"nframes": 8, "min_pixels": 3136, "max_pixels": 168 * 112}
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-
-
-def chat_prompt(user: str) -> str:
-    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    return f"{system}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")

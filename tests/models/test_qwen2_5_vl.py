@@ -15,6 +15,7 @@ from PIL import Image
 from tests.conftest import random_image
 from tests.model_harness import Harness
 from tests.processor.test_qwen2_vl import make_processor
+from tests.published_configs import QWEN2_5_VL_7B
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_token_type_ids, video_patches
 from vlmserve.config import ModelConfig
 from vlmserve.model_files import read_json
@@ -154,22 +155,8 @@ def test_published_3b_values() -> None:
         "num_key_value_heads": 2,
         "vocab_size": 151936,
         "tie_word_embeddings": True,
-        "vision_config": {
-            "depth": 32,
-            "hidden_act": "silu",
-            "hidden_size": 1280,
-            "intermediate_size": 3420,
-            "num_heads": 16,
-            "in_chans": 3,
-            "out_hidden_size": 2048,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "spatial_patch_size": 14,
-            "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31],
-            "tokens_per_second": 2,
-            "temporal_patch_size": 2,
-        },
+        # The 7B's vision tower, its output at the 3B's width.
+        "vision_config": {**QWEN2_5_VL_7B["vision_config"], "out_hidden_size": 2048},
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
     }
     config = ModelConfig.from_dict(raw)

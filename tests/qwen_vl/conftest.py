@@ -13,30 +13,14 @@ import pytest
 
 from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.tools.tiktoken_to_hf import qwen_tiktoken_path
-
-TOKENIZER_CONFIG = {
-    "model_max_length": 8192,
-    "tokenizer_class": "QWenTokenizer",
-    "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]},
-}
-GENERATION_CONFIG = {
-    "chat_format": "chatml",
-    "do_sample": True,
-    "eos_token_id": 151643,
-    "max_new_tokens": 512,
-    "max_window_size": 6144,
-    "pad_token_id": 151643,
-    "top_k": 0,
-    "top_p": 0.3,
-    "transformers_version": "4.31.0",
-}
+from vlmserve.tools.tiny_checkpoint import QWEN_VL_GENERATION_CONFIG, QWEN_VL_TOKENIZER_CONFIG
 
 
 def write_qwen_vl_tokenizer_dir(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(qwen_tiktoken_path(), out / "qwen.tiktoken")
-    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(QWEN_VL_TOKENIZER_CONFIG, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(QWEN_VL_GENERATION_CONFIG, indent=2))
     return out
 
 

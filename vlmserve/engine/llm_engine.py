@@ -37,14 +37,12 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.check_fits(prompt)  # before anything is registered
-        num_image_tokens = [item.length for item in prompt.mm_items]
         child_ids = self.output_processor.add_request(
             request_id,
             prompt.prompt,
             prompt.prompt_token_ids,
-            num_image_tokens,
             params,
-            mm_items=[MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
+            [MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
         )
         for index, child_id in enumerate(child_ids):
             self.core.add_request(child_id, prompt, params.for_child(index))

@@ -27,10 +27,9 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    num_image_tokens: list[int]
+    mm_items: list[MultiModalItemInfo]
     samples: list[_Sample] = field(default_factory=list)
     num_cached_tokens: int = 0
-    mm_items: list[MultiModalItemInfo] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -54,7 +53,7 @@ class _Parent:
             self.prompt_token_ids,
             outputs,
             finished,
-            self.num_image_tokens,
+            [item.length for item in self.mm_items],
             self.num_cached_tokens,
             list(self.mm_items),
         )
@@ -75,13 +74,12 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        num_image_tokens: list[int],
         params: SamplingParams,
-        *,
         mm_items: Sequence[MultiModalItemInfo],
     ) -> list[str]:
-        """Register a request; returns the ids of its n engine requests."""
-        parent = _Parent(request_id, prompt, prompt_token_ids, num_image_tokens, mm_items=list(mm_items))
+        """Register a request (its images and videos as the processor took them); returns the ids
+        of its n engine requests."""
+        parent = _Parent(request_id, prompt, prompt_token_ids, list(mm_items))
         child_ids = []
         for index in range(params.n):
             child_id = child_request_id(request_id, index, params.n)

@@ -11,13 +11,14 @@ import torch
 from PIL import Image
 
 from vlmserve.config import ModelConfig
-from vlmserve.multimodal.image import ImageProcessorConfig, ImageSizing, process_image, target_size
+from vlmserve.multimodal.image import ImageProcessorConfig, ImageSizing, ProcessedImage, process_image, target_size
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
 from vlmserve.multimodal.mrope import mrope_positions
 from vlmserve.multimodal.video import (
     MODEL_SEQ_LEN,
     VIDEO_MAX_TOKENS,
+    ProcessedVideo,
     VideoOptions,
     VideoPlan,
     open_video,
@@ -166,9 +167,12 @@ class Qwen2VLProcessor:
         next_video = iter(zip(plans, video_counts, strict=True))
         for token in token_ids:
             if token == image_id:
-                item = self._image_item(*next(next_image), offset=len(expanded))
+                pil, image, count = next(next_image)
+                item = self._item("image", process_image(pil, self.image_config, image.sizing), count, len(expanded))
             elif token == video_id:
-                item = self._video_item(*next(next_video), offset=len(expanded))
+                plan, count = next(next_video)
+                processed = process_video(plan, self.image_config, self.media_limits)
+                item = self._item("video", processed, count, len(expanded))
             else:
                 expanded.append(token)
                 continue
@@ -244,11 +248,12 @@ class Qwen2VLProcessor:
             )
         return t * per_frame
 
-    def _image_item(self, pil: Image.Image, image: ImageInput, count: int, offset: int) -> MultiModalItem:
-        processed = process_image(pil, self.image_config, image.sizing)
+    def _item(
+        self, modality: str, processed: ProcessedImage | ProcessedVideo, count: int, offset: int
+    ) -> MultiModalItem:
         assert processed.pixel_values.shape[0] // self.merge_size**2 == count
         return MultiModalItem(
-            modality="image",
+            modality=modality,
             offset=offset,
             length=count,
             grid_thw=processed.grid_thw,
@@ -256,19 +261,5 @@ class Qwen2VLProcessor:
             pixel_values=torch.from_numpy(processed.pixel_values),
             original_size=processed.original_size,
             resized_size=processed.resized_size,
-        )
-
-    def _video_item(self, plan: VideoPlan, count: int, offset: int) -> MultiModalItem:
-        processed = process_video(plan, self.image_config, self.media_limits)
-        assert processed.pixel_values.shape[0] // self.merge_size**2 == count
-        return MultiModalItem(
-            modality="video",
-            offset=offset,
-            length=count,
-            grid_thw=processed.grid_thw,
-            content_hash=processed.content_hash,
-            pixel_values=torch.from_numpy(processed.pixel_values),
-            original_size=processed.original_size,
-            resized_size=processed.resized_size,
-            second_per_grid_t=processed.second_per_grid_t,
+            second_per_grid_t=processed.second_per_grid_t if isinstance(processed, ProcessedVideo) else None,
         )

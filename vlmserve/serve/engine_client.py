@@ -182,9 +182,8 @@ class EngineClient:
                 request_id,
                 prompt.prompt,
                 prompt.prompt_token_ids,
-                [item.length for item in prompt.mm_items],
                 params,
-                mm_items=[MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
+                [MultiModalItemInfo.from_item(item) for item in prompt.mm_items],
             )
             submitted = True
             specs = [self._spec(params.for_child(i)) for i in range(len(child_ids))]
