@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.tools.tiny_checkpoint import TinySpec, write_tiny_qwen2_vl
+from vlmserve.families.qwen2_vl.tiny import TinySpec, write_tiny_qwen2_vl
 
 torch.set_num_threads(2)
 
@@ -82,7 +82,7 @@ def tiny25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2.5-VL (QWEN2_5_VL_SPEC): four vision blocks, windows of 4 x 4 merged tokens in blocks
     0 and 2, whole frames in 1 and 3; tied embeddings, transformers 4.x flat config, one
     safetensors file: the Qwen2.5-VL-3B-Instruct layout."""
-    from vlmserve.tools.tiny_checkpoint import QWEN2_5_VL_SPEC
+    from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC
 
     return write_tiny_qwen2_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2_5-vl", QWEN2_5_VL_SPEC)
 
@@ -156,6 +156,6 @@ def write_video(
 def tiny_qwen_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen-VL-Chat in its published layout (qwen.tiktoken, remote-code config, seq_length 64 so
     that dynamic NTK and logn act on tiny prompts)."""
-    from vlmserve.tools.tiny_checkpoint import write_tiny_qwen_vl
+    from vlmserve.families.qwen_vl.tiny import write_tiny_qwen_vl
 
     return write_tiny_qwen_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen-vl")

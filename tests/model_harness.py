@@ -9,19 +9,26 @@ import torch
 
 from vlmserve.attention import select_backend
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.config import ModelConfig
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request
-from vlmserve.models import build_model
+from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.registry import family_of, load_model_config
 from vlmserve.sampling_params import SamplingParams
 
 
 class Harness:
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, num_blocks: int = 256) -> None:
-        config = ModelConfig.from_file(model_dir / "config.json")
-        self.model = build_model(config, model_dir, select_backend(torch.device("cpu")), torch.device("cpu"), dtype)
+        config = load_model_config(model_dir / "config.json")
+        self.model = build_model(
+            family_of(config).model_class,
+            config,
+            model_dir,
+            select_backend(torch.device("cpu")),
+            torch.device("cpu"),
+            dtype,
+        )
         self.kv = KVCacheManager(num_blocks, block_size=16)
         self.runner = ModelRunner(self.model, torch.device("cpu"), dtype)
         self.runner.bind_kv_cache(self.kv)

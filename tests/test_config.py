@@ -7,18 +7,19 @@ import pytest
 import torch
 
 from tests.published_configs import QWEN2_VL_2B
-from vlmserve.config import ModelConfig, parse_dtype
+from vlmserve.config import parse_dtype
+from vlmserve.registry import load_model_config, parse_model_config
 
 
 def test_flat_and_nested_layouts_parse_alike(tiny_dir: Path, tmp_path: Path) -> None:
-    flat = ModelConfig.from_file(tiny_dir / "config.json")
+    flat = load_model_config(tiny_dir / "config.json")
     # The same model saved by transformers 5 (nested text_config, rope_parameters).
     from transformers import Qwen2VLConfig
 
     Qwen2VLConfig.from_pretrained(str(tiny_dir)).save_pretrained(str(tmp_path))
     raw = json.loads((tmp_path / "config.json").read_text())
     assert "text_config" in raw and "rope_scaling" not in raw
-    nested = ModelConfig.from_file(tmp_path / "config.json")
+    nested = load_model_config(tmp_path / "config.json")
     assert nested.text == flat.text
     assert nested.vision == flat.vision
     assert flat.text.mrope_section == (2, 3, 3)
@@ -29,7 +30,7 @@ def test_flat_and_nested_layouts_parse_alike(tiny_dir: Path, tmp_path: Path) -> 
 
 def test_published_2b_values() -> None:
     raw = dict(QWEN2_VL_2B)  # Qwen2-VL-2B-Instruct's config.json as published
-    config = ModelConfig.from_dict(raw)
+    config = parse_model_config(raw)
     assert config.text.head_dim == 128
     assert config.vision.head_dim == 80
     assert config.vision.patch_dim == 1176
@@ -38,9 +39,9 @@ def test_published_2b_values() -> None:
 
 def test_bad_configs_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
-        ModelConfig.from_dict({"model_type": "llama"})
+        parse_model_config({"model_type": "llama"})
     with pytest.raises(ValueError, match="lacks required field 'hidden_size'"):
-        ModelConfig.from_dict({"model_type": "qwen2_vl"})
+        parse_model_config({"model_type": "qwen2_vl"})
     bad_section = {
         "model_type": "qwen2_vl",
         "hidden_size": 64,
@@ -51,7 +52,7 @@ def test_bad_configs_say_what_is_wrong() -> None:
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 2]},
     }
     with pytest.raises(ValueError, match="mrope_section"):
-        ModelConfig.from_dict(bad_section)
+        parse_model_config(bad_section)
 
 
 def test_parse_dtype() -> None:

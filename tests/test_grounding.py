@@ -16,7 +16,6 @@ from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.grounding import (
     PALETTE,
     Box,
-    convention_for_model,
     draw_answer,
     draw_boxes,
     find_boxes,
@@ -25,6 +24,7 @@ from vlmserve.grounding import (
 )
 from vlmserve.multimodal.image import smart_resize
 from vlmserve.outputs import MultiModalItemInfo
+from vlmserve.registry import convention_for_model
 from vlmserve.tokenizer import Tokenizer
 
 EOS = 151645  # <|im_end|>

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.published_configs import QWEN2_5_VL_7B, QWEN2_VL_2B
-from vlmserve.config import ModelConfig
 from vlmserve.entrypoints.cli import main
 from vlmserve.inspect import inspect_config, load_config
+from vlmserve.registry import parse_model_config
 
 QWEN_VL_CHAT = Path(__file__).parent / "fixtures" / "qwen_vl_chat"
 
@@ -49,7 +49,7 @@ def test_cli_prints_the_counts(capsys: pytest.CaptureFixture[str]) -> None:
     [(QWEN2_VL_2B, 2_208_985_600, 28 * 2 * 2 * 128 * 2), (QWEN2_5_VL_7B, 8_292_166_656, 28 * 2 * 4 * 128 * 2)],
 )
 def test_qwen2_families(raw: dict, total: int, kv_per_token: int, tmp_path: Path) -> None:
-    r = inspect_config(ModelConfig.from_dict(raw), torch.bfloat16)
+    r = inspect_config(parse_model_config(raw), torch.bfloat16)
     assert r.total == total
     assert r.kv_bytes_per_token == kv_per_token
     assert r.embedding + r.blocks + r.final_norm + r.lm_head + r.visual == r.total

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from vlmserve.families.qwen2_vl.tiny import QWEN2_VL_CHAT_TEMPLATE
 from vlmserve.tokenizer import Tokenizer, load_chat_template
-from vlmserve.tools.tiny_checkpoint import QWEN2_VL_CHAT_TEMPLATE
 
 MESSAGES = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},

@@ -42,19 +42,6 @@ Convention = Literal["qwen-vl", "qwen2-vl", "qwen2.5-vl"]
 CONVENTIONS: tuple[Convention, ...] = ("qwen-vl", "qwen2-vl", "qwen2.5-vl")
 NORMALIZED_SCALE = 1000.0  # the 0..1000 conventions
 
-# config.json model_type -> convention. Qwen-VL-Chat's remote-code config says "qwen".
-_MODEL_CONVENTIONS: dict[str, Convention] = {"qwen": "qwen-vl", "qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl"}
-
-
-def convention_for_model(model_type: str) -> Convention:
-    """The box convention of a checkpoint's model_type (config.json)."""
-    convention = _MODEL_CONVENTIONS.get(model_type)
-    if convention is None:
-        raise ValueError(
-            f"no known box convention for model_type {model_type!r}; name one of {list(CONVENTIONS)} explicitly"
-        )
-    return convention
-
 
 @dataclass(frozen=True)
 class RawBox:

@@ -13,26 +13,7 @@ from torch import nn
 from vlmserve.attention import TorchAttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.config import ModelConfig
-
-# Where each family keeps its parts (attribute paths in our modules, which are the checkpoint's).
-_PARTS = {
-    "QWenLMHeadModel": {
-        "embedding": "transformer.wte",
-        "blocks": "transformer.h",
-        "final_norm": "transformer.ln_f",
-        "visual": "transformer.visual",
-        "adapter": "transformer.visual.attn_pool",
-    },
-    "Qwen2VLForConditionalGeneration": {
-        "embedding": "model.embed_tokens",
-        "blocks": "model.layers",
-        "final_norm": "model.norm",
-        "visual": "visual",
-        "adapter": "visual.merger",
-    },
-}
-_PARTS["Qwen2_5_VLForConditionalGeneration"] = _PARTS["Qwen2VLForConditionalGeneration"]
-_ADAPTER_NAMES = {"QWenLMHeadModel": "resampler (attn_pool)"}
+from vlmserve.registry import family_of, load_model_config
 
 
 @dataclass(frozen=True)
@@ -76,17 +57,14 @@ def load_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{path}: no config.json there (give a config.json or a checkpoint directory)")
-    return ModelConfig.from_file(p)
+    return load_model_config(p)
 
 
 def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
-    from vlmserve.models import MODEL_REGISTRY
-
-    if config.architecture not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
+    family = family_of(config)
     with torch.device("meta"):
-        model = MODEL_REGISTRY[config.architecture](config, TorchAttentionBackend())  # type: ignore[call-arg]
-    parts = _PARTS[config.architecture]
+        model = family.model_class(config, TorchAttentionBackend())
+    parts = family.inspect_parts
     blocks = model.get_submodule(parts["blocks"])
     assert isinstance(blocks, nn.ModuleList)
     lm_head = getattr(model, "lm_head", None)
@@ -103,7 +81,7 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
         tied=lm_head is None,
         visual=_count(model.get_submodule(parts["visual"])),
         adapter=_count(model.get_submodule(parts["adapter"])),
-        adapter_name=_ADAPTER_NAMES.get(config.architecture, "patch merger (merger)"),
+        adapter_name=family.adapter_name,
         total=_count(model),  # a tied lm_head is not built on the meta device, so not counted twice
         dtype=dtype,
         kv_bytes_per_token=per_token,

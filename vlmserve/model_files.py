@@ -108,3 +108,27 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+# -- writing (the tiny checkpoints) -----------------------------------------------------------
+
+VOCAB_SIZE = 151936  # the embedding rows of the published checkpoints (padded past the tokenizer)
+
+
+def save_weights(weights: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt"}
+    if num_shards <= 1:
+        save_file(weights, str(out / "model.safetensors"), metadata=metadata)
+        return
+    names = list(weights)
+    weight_map: dict[str, str] = {}
+    for k in range(num_shards):
+        shard_name = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard = {n: weights[n] for n in names[k::num_shards]}
+        save_file(shard, str(out / shard_name), metadata=metadata)
+        weight_map |= dict.fromkeys(shard, shard_name)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

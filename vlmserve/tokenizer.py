@@ -8,7 +8,7 @@ from collections.abc import Container
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -16,9 +16,6 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from vlmserve.model_files import read_json
-
-if TYPE_CHECKING:
-    from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
 
 
 def load_chat_template(model_dir: Path) -> str | None:
@@ -138,6 +135,28 @@ class Tokenizer:
             raise ValueError(f"the chat template could not render these messages: {e}") from None
 
 
-# What the engine and the API accept: Qwen2-VL's and Qwen2.5-VL's tokenizer.json, or Qwen-VL-Chat's
-# qwen.tiktoken (same interface).
-AnyTokenizer: TypeAlias = "Tokenizer | QwenVLTokenizer"
+class AnyTokenizer(Protocol):
+    """What the engine, the server and the entrypoints use of a family's tokenizer (Tokenizer above
+    for tokenizer.json checkpoints; a family may bring its own with the same interface)."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer that decodes (the detokenizer streams through it)."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str: ...

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.conftest import random_image
 from tests.models.test_qwen_vl import DenseReference
 from vlmserve import LLM, SamplingParams
-from vlmserve.qwen_vl.chat_format import make_context
+from vlmserve.families.qwen_vl.chat_format import make_context
 
 MAX_NEW = 6
 IM_END, IM_START, ENDOFTEXT = 151645, 151644, 151643

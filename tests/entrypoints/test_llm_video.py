@@ -15,7 +15,7 @@ from tests.entrypoints.test_llm import chat_prompt
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids
 from vlmserve import LLM, SamplingParams
 from vlmserve.multimodal.video import VideoOptions
-from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
+from vlmserve.processor.base import ImageInput, VideoInput
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"

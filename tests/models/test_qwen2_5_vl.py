@@ -17,13 +17,13 @@ from tests.model_harness import Harness
 from tests.processor.test_qwen2_vl import make_processor
 from tests.published_configs import QWEN2_5_VL_7B
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_token_type_ids, video_patches
-from vlmserve.config import ModelConfig
+from vlmserve.families.qwen2_vl.vision_2_5 import window_partition
 from vlmserve.model_files import read_json
-from vlmserve.models.qwen2_5_vision import window_partition
 from vlmserve.multimodal.image import ImageProcessorConfig, process_image
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.mrope import mrope_positions
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.processor.base import ImageInput
+from vlmserve.registry import load_model_config, parse_model_config
 from vlmserve.tokenizer import Tokenizer
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -83,7 +83,7 @@ def our_prompt(model_dir: Path, text: str, media: list[Image.Image | Video]) -> 
     placeholder expanded, one item per image or video, M-RoPE positions with the checkpoint's
     tokens_per_second. Built by hand so that the video patches are exactly those given to
     transformers (whose video processor needs torchvision)."""
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = load_model_config(model_dir / "config.json")
     image_config = ImageProcessorConfig.from_dict(read_json(model_dir / "preprocessor_config.json"))
     pads = {config.image_token_id, config.video_token_id}
     expanded: list[int] = []
@@ -127,7 +127,7 @@ def hf_media(media: list[Image.Image | Video]) -> list:
 def test_flat_and_nested_configs_parse_alike(tiny25_dir: Path, tmp_path: Path) -> None:
     from transformers import Qwen2_5_VLConfig
 
-    flat = ModelConfig.from_file(tiny25_dir / "config.json")
+    flat = load_model_config(tiny25_dir / "config.json")
     assert (flat.model_type, flat.architecture) == ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration")
     vision = flat.vision
     assert (vision.depth, vision.embed_dim, vision.num_heads, vision.intermediate_size) == (4, 32, 2, 64)
@@ -137,7 +137,7 @@ def test_flat_and_nested_configs_parse_alike(tiny25_dir: Path, tmp_path: Path) -
     Qwen2_5_VLConfig.from_pretrained(str(tiny25_dir)).save_pretrained(str(tmp_path))
     raw = json.loads((tmp_path / "config.json").read_text())
     assert "text_config" in raw and "rope_scaling" not in raw and "in_channels" in raw["vision_config"]
-    nested = ModelConfig.from_file(tmp_path / "config.json")
+    nested = load_model_config(tmp_path / "config.json")
     assert nested.text == flat.text
     assert nested.vision == flat.vision
     assert nested.architecture == flat.architecture
@@ -159,12 +159,12 @@ def test_published_3b_values() -> None:
         "vision_config": {**QWEN2_5_VL_7B["vision_config"], "out_hidden_size": 2048},
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
     }
-    config = ModelConfig.from_dict(raw)
+    config = parse_model_config(raw)
     assert (config.vision.embed_dim, config.vision.head_dim, config.vision.hidden_size) == (1280, 80, 2048)
     assert config.vision.merged_window_size == 4
     assert config.vision.patch_dim == 1176
     # Qwen2-VL keeps its own meaning of the vision fields, and frame-indexed video positions.
-    qwen2 = ModelConfig.from_dict({**raw, "model_type": "qwen2_vl", "architectures": None, "vision_config": {}})
+    qwen2 = parse_model_config({**raw, "model_type": "qwen2_vl", "architectures": None, "vision_config": {}})
     assert qwen2.architecture == "Qwen2VLForConditionalGeneration"
     assert (qwen2.vision.tokens_per_second, qwen2.vision.window_size, qwen2.vision.hidden_act) == (
         None,
@@ -183,15 +183,13 @@ def test_bad_configs_say_what_is_wrong() -> None:
         "vocab_size": 10,
     }
     with pytest.raises(ValueError, match="unsupported model_type 'qwen3_vl'; vlmserve runs qwen2_vl and qwen2_5_vl"):
-        ModelConfig.from_dict({**base, "model_type": "qwen3_vl"})
+        parse_model_config({**base, "model_type": "qwen3_vl"})
     with pytest.raises(ValueError, match="window_size 14 must be at least"):
-        ModelConfig.from_dict({**base, "vision_config": {"depth": 2, "window_size": 14}})
+        parse_model_config({**base, "vision_config": {"depth": 2, "window_size": 14}})
     with pytest.raises(ValueError, match=r"fullatt_block_indexes \[1, 2\] name blocks outside 0..1"):
-        ModelConfig.from_dict({**base, "vision_config": {"depth": 2, "fullatt_block_indexes": [1, 2]}})
+        parse_model_config({**base, "vision_config": {"depth": 2, "fullatt_block_indexes": [1, 2]}})
     with pytest.raises(ValueError, match="output width 32 must equal the language model's hidden_size 64"):
-        ModelConfig.from_dict(
-            {**base, "vision_config": {"depth": 2, "fullatt_block_indexes": [1], "out_hidden_size": 32}}
-        )
+        parse_model_config({**base, "vision_config": {"depth": 2, "fullatt_block_indexes": [1], "out_hidden_size": 32}})
 
 
 # -- the vision tower -----------------------------------------------------------------------------
@@ -343,7 +341,7 @@ def test_untied_nested_sharded_checkpoint(tmp_path: Path, hf_tok_and_images) -> 
 
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from vlmserve.tools.tiny_checkpoint import QWEN2_5_VL_SPEC, write_tiny_qwen2_vl
+    from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, write_tiny_qwen2_vl
 
     spec = replace(QWEN2_5_VL_SPEC, tie_word_embeddings=False)
     model_dir = write_tiny_qwen2_vl(tmp_path / "untied", spec, seed=1, nested_config=True, num_shards=2)

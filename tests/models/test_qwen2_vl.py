@@ -12,7 +12,7 @@ from tests.model_harness import Harness
 from tests.processor.test_qwen2_vl import make_processor
 from tests.reference import hf_logits, hf_prompt_ids
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.processor.base import ImageInput
 
 TWO_IMAGES = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"

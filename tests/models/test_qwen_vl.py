@@ -18,15 +18,16 @@ from torch import nn
 
 from tests.model_harness import Harness
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.config import ModelConfig
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request
 from vlmserve.engine.scheduler import SchedulerOutput
 from vlmserve.entrypoints.cli import main as cli_main
-from vlmserve.models.qwen_vl import QwenRotaryEmbedding, apply_qwen_rotary, logn_factors, ntk_alpha
-from vlmserve.models.qwen_vl_visual import resize_pos_embed
+from vlmserve.families.qwen_vl.config import qwen_vl_config
+from vlmserve.families.qwen_vl.model import QwenRotaryEmbedding, apply_qwen_rotary, logn_factors, ntk_alpha
+from vlmserve.families.qwen_vl.visual import resize_pos_embed
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.registry import load_model_config, parse_model_config
 from vlmserve.sampling_params import SamplingParams
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "qwen_vl_chat" / "config.json"
@@ -261,9 +262,9 @@ def raw_config(ckpt: Path) -> dict:
 
 
 def test_published_config_parses() -> None:
-    config = ModelConfig.from_file(FIXTURE)
+    config = load_model_config(FIXTURE)
     assert config.architecture == "QWenLMHeadModel" and config.model_type == "qwen"
-    text, qwen = config.text, config.qwen_vl
+    text, qwen = config.text, qwen_vl_config(config)
     assert qwen is not None
     assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (4096, 32, 32)
     assert (text.num_key_value_heads, text.head_dim, text.intermediate_size) == (32, 128, 11008)
@@ -280,12 +281,12 @@ def test_published_config_parses() -> None:
 def test_bad_qwen_configs_say_what_is_wrong() -> None:
     raw = json.loads(FIXTURE.read_text())
     with pytest.raises(ValueError, match="kv_channels 64 x num_attention_heads 32"):
-        ModelConfig.from_dict({**raw, "kv_channels": 64})
+        parse_model_config({**raw, "kv_channels": 64})
     with pytest.raises(ValueError, match="output_dim 64 must be at least 128"):
         small = {"hidden_size": 64, "num_attention_heads": 4, "kv_channels": 16}
-        ModelConfig.from_dict({**raw, **small, "visual": {**raw["visual"], "output_dim": 64}})
+        parse_model_config({**raw, **small, "visual": {**raw["visual"], "output_dim": 64}})
     with pytest.raises(ValueError, match="'visual' dict"):
-        ModelConfig.from_dict({k: x for k, x in raw.items() if k != "visual"})
+        parse_model_config({k: x for k, x in raw.items() if k != "visual"})
 
 
 def test_rotary_pairs_dimension_i_with_i_plus_half() -> None:

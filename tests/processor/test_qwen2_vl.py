@@ -11,18 +11,19 @@ import torch
 from PIL import Image
 
 from tests.reference import hf_prompt_ids
-from vlmserve.config import ModelConfig
+from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
 from vlmserve.multimodal.media import MediaError
+from vlmserve.processor.base import ImageInput, ProcessorLimits
 from vlmserve.processor.chat import parse_chat_messages
-from vlmserve.processor.qwen2_vl import ImageInput, ProcessorLimits, Qwen2VLProcessor
+from vlmserve.registry import load_model_config
 from vlmserve.tokenizer import Tokenizer
 
 
 def make_processor(tiny_dir: Path, max_model_len: int = 32768, max_images: int = 4) -> Qwen2VLProcessor:
     return Qwen2VLProcessor(
-        ModelConfig.from_file(tiny_dir / "config.json"),
+        load_model_config(tiny_dir / "config.json"),
         Tokenizer(tiny_dir),
         ImageProcessorConfig.from_dict(read_json(tiny_dir / "preprocessor_config.json")),
         ProcessorLimits(max_model_len, {"image": max_images}),

@@ -14,13 +14,14 @@ from PIL import Image
 
 from tests.conftest import random_image, video_frame, write_video
 from tests.reference import hf_mm_prompt_ids, mm_token_type_ids
-from vlmserve.config import ModelConfig
+from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor, VideoInput
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
 from vlmserve.multimodal.media import MediaError
 from vlmserve.multimodal.video import VideoOptions
+from vlmserve.processor.base import ImageInput, ProcessorLimits
 from vlmserve.processor.chat import parse_chat_messages
-from vlmserve.processor.qwen2_vl import ImageInput, ProcessorLimits, Qwen2VLProcessor, VideoInput
+from vlmserve.registry import load_model_config
 from vlmserve.tokenizer import Tokenizer
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -37,7 +38,7 @@ def make_processor(
     image_max_pixels: int | None = None,
     **vision: Any,
 ) -> Qwen2VLProcessor:
-    config = ModelConfig.from_file(tiny_dir / "config.json")
+    config = load_model_config(tiny_dir / "config.json")
     if vision:
         config = dataclasses.replace(config, vision=dataclasses.replace(config.vision, **vision))
     preprocessor = read_json(tiny_dir / "preprocessor_config.json")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
+from vlmserve.families.qwen_vl.tiny import QWEN_VL_GENERATION_CONFIG, QWEN_VL_TOKENIZER_CONFIG
+from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.tools.tiktoken_to_hf import qwen_tiktoken_path
-from vlmserve.tools.tiny_checkpoint import QWEN_VL_GENERATION_CONFIG, QWEN_VL_TOKENIZER_CONFIG
 
 
 def write_qwen_vl_tokenizer_dir(out: Path) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from vlmserve.qwen_vl.chat_format import (
+from vlmserve.families.qwen_vl.chat_format import (
     DEFAULT_SYSTEM,
     STOP_WORDS,
     chat_prompt,
@@ -14,7 +14,7 @@ from vlmserve.qwen_vl.chat_format import (
     stop_token_ids,
     to_list_format,
 )
-from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
+from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 
 DEMO_URL = "https://qianwen-res.oss-cn-beijing.aliyuncs.com/Qwen-VL/assets/demo.jpeg"
 # Seed 000: make_context(query="how about 2+2", history=[("1+1=?", "1+1=2")], system="you are a helpful assistant")

@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
+from vlmserve.families.qwen_vl.chat_format import chat_prompt
+from vlmserve.families.qwen_vl.processor import QwenVLProcessor, check_image_items, positions
+from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.multimodal.media import MediaError
-from vlmserve.processor.qwen2_vl import ImageInput, ProcessorLimits, VideoInput
-from vlmserve.processor.qwen_vl import QwenVLProcessor, check_image_items, positions
-from vlmserve.qwen_vl.chat_format import chat_prompt
-from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
+from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 
 # Seed 000: transforms.Normalize(mean, std) after a 448 x 448 bicubic resize and ToTensor.
 MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -12,8 +12,8 @@ import tiktoken
 from tokenizers.decoders import DecodeStream
 
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
-from vlmserve.qwen_vl.chat_format import make_context
-from vlmserve.qwen_vl.tokenizer import IMAGE_ST, QwenVLTokenizer, cache_dir
+from vlmserve.families.qwen_vl.chat_format import make_context
+from vlmserve.families.qwen_vl.tokenizer import IMAGE_ST, QwenVLTokenizer, cache_dir
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tools.tiktoken_to_hf import load_tiktoken_ranks
 

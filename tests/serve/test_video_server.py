@@ -19,8 +19,8 @@ from tests.serve.test_bad_inputs import check_error
 from tests.serve.upstream import serve
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
+from vlmserve.processor.base import ImageInput, VideoInput
 from vlmserve.processor.chat import parse_chat_messages
-from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
 
 MAX_FRAMES = 5000
 

@@ -6,7 +6,6 @@ test suite shows equal transformers' own processor outputs, so both engines see 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 from vlmserve.bench.metrics import RequestTiming, RunResult
 from vlmserve.bench.workload import BenchRequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.registry import FAMILIES, family_of, load_model_config
 
 PAD_ID = 151643
 IMAGE_TOKEN_ID = 151655
@@ -27,11 +27,11 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
         import transformers
     except ImportError:
         raise SystemExit("the transformers comparison needs transformers: pip install -e '.[bench]'") from None
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    classes = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-    if model_type not in classes:
-        raise SystemExit(f"the transformers comparison runs Qwen2-VL and Qwen2.5-VL checkpoints, not {model_type!r}")
-    return getattr(transformers, classes[model_type]).from_pretrained(str(model_dir), dtype=dtype).eval()
+    family = family_of(load_model_config(model_dir / "config.json"))
+    if family.transformers_class is None:
+        runs = " and ".join(f.display_name for f in FAMILIES if f.transformers_class)
+        raise SystemExit(f"the transformers comparison runs {runs} checkpoints, not {family.display_name}")
+    return getattr(transformers, family.transformers_class).from_pretrained(str(model_dir), dtype=dtype).eval()
 
 
 class _FirstLogits:

@@ -17,7 +17,7 @@ from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
-from vlmserve.models import build_model
+from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
@@ -47,7 +47,9 @@ class EngineCore:
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
-        self.model = build_model(frontend.model_config, frontend.model_dir, backend, self.device, self.dtype)
+        self.model = build_model(
+            frontend.family.model_class, frontend.model_config, frontend.model_dir, backend, self.device, self.dtype
+        )
         self.runner = ModelRunner(self.model, self.device, self.dtype)
         # The largest image or video a prompt may hold: the encoder must take it in one step.
         limits = frontend.processor.max_items_per_prompt()

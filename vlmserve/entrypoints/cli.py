@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from vlmserve import LLM
@@ -82,9 +82,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
-    from vlmserve.grounding import convention_for_model
+    from vlmserve.registry import convention_for_model
 
-    return args.box_convention or convention_for_model(llm.llm_engine.model_config.model_type)
+    return args.box_convention or cast(Convention, convention_for_model(llm.llm_engine.model_config.model_type))
 
 
 def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path) -> int:
@@ -105,25 +105,22 @@ def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Co
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    import dataclasses
+    from vlmserve.registry import BY_NAME
 
-    from vlmserve.tools.tiny_checkpoint import PRESETS, write_tiny_qwen2_vl, write_tiny_qwen_vl
-
-    if args.arch == "qwen_vl":
-        if args.nested_config or args.preset != "tiny":
-            print("error: --arch qwen_vl has one layout and one preset (no --nested-config, --preset)", file=sys.stderr)
-            return 2
-        # Qwen-VL-Chat's lm_head is always untied: --untied changes nothing.
-        out = write_tiny_qwen_vl(args.out_dir, seed=args.seed, num_shards=args.shards)
-        print(f"wrote a tiny random-weight Qwen-VL-Chat checkpoint to {out}")
-        return 0
-    base = PRESETS[(args.arch, args.preset)]
-    spec = dataclasses.replace(base, tie_word_embeddings=not args.untied)
-    out = write_tiny_qwen2_vl(
-        args.out_dir, spec, seed=args.seed, nested_config=args.nested_config, num_shards=args.shards
-    )
-    name = "Qwen2.5-VL" if args.arch == "qwen2_5_vl" else "Qwen2-VL"
-    print(f"wrote a {args.preset} random-weight {name} checkpoint to {out}")
+    family = BY_NAME[args.arch]
+    try:
+        out = family.write_tiny(
+            args.out_dir,
+            seed=args.seed,
+            num_shards=args.shards,
+            preset=args.preset,
+            nested_config=args.nested_config,
+            untied=args.untied,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a {args.preset} random-weight {family.display_name} checkpoint to {out}")
     return 0
 
 
@@ -166,6 +163,8 @@ def _chat_parser() -> argparse.ArgumentParser:
 
 
 def _make_tiny_parser() -> argparse.ArgumentParser:
+    from vlmserve.registry import BY_NAME, FAMILIES
+
     tiny = argparse.ArgumentParser(
         prog="vlmserve make-tiny",
         description="Write a tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen-VL-Chat checkpoint in the hub layout.",
@@ -183,9 +182,9 @@ def _make_tiny_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument(
         "--arch",
-        choices=["qwen2_vl", "qwen2_5_vl", "qwen_vl"],
-        default="qwen2_vl",
-        help="model family (qwen_vl: Qwen-VL-Chat, the first generation)",
+        choices=list(BY_NAME),
+        default=FAMILIES[0].name,
+        help="model family: " + ", ".join(f"{f.name} ({f.display_name})" for f in FAMILIES),
     )
     tiny.set_defaults(func=_make_tiny)
     return tiny

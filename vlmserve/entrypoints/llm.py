@@ -17,8 +17,8 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.multimodal.video import OPTION_KEYS, VideoOptions
 from vlmserve.outputs import RequestOutput
+from vlmserve.processor.base import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.processor.chat import SIZING_KEYS
-from vlmserve.processor.qwen2_vl import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import AnyTokenizer
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.video import VideoOptions
-from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
+from vlmserve.processor.base import ImageInput, VideoInput
 
 SIZING_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 ROLES = ("system", "user", "assistant", "tool")

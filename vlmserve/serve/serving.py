@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.engine.frontend import Frontend
-from vlmserve.grounding import convention_for_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaError
 from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.processor.qwen2_vl import ImageInput, VideoInput
-from vlmserve.processor.qwen_vl import QwenVLProcessor
+from vlmserve.processor.base import ImageInput, VideoInput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.engine_client import EngineClient, EngineDeadError, RequestRefused
 from vlmserve.serve.fetch import FetchError, FetchPolicy, fetch
@@ -53,10 +51,7 @@ class Serving:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.frontend = ctx.frontend
-        try:
-            self.grounding_convention: str | None = convention_for_model(ctx.frontend.model_config.model_type)
-        except ValueError:
-            self.grounding_convention = None
+        self.grounding_convention: str | None = ctx.frontend.family.grounding_convention
 
     # -- shared steps -----------------------------------------------------------------------------
 
@@ -296,16 +291,14 @@ class Serving:
             if isinstance(p, str):
                 check_text(p, param)
             images: list[ImageInput] = []
-            processor = self.frontend.processor
-            if isinstance(processor, QwenVLProcessor):
-                # Qwen-VL-Chat prompts name their images inside <img>...</img>: fetched here
-                # through the guard, never by the processor.
-                p = self.frontend.tokenizer.encode(p) if isinstance(p, str) else p
-                try:
-                    spans = processor.image_spans(p)
-                except ValueError as e:
-                    raise APIError(400, str(e), param) from None
-                images = [ImageInput(url, label=f"{param} (image {k + 1})") for k, (_, url) in enumerate(spans)]
+            # A family whose prompts name their images (inside the token ids): fetched here
+            # through the guard, never by the processor.
+            try:
+                urls = self.frontend.processor.prompt_image_urls(p)
+            except ValueError as e:
+                raise APIError(400, str(e), param) from None
+            if urls:
+                images = [ImageInput(url, label=f"{param} (image {k + 1})") for k, url in enumerate(urls)]
                 images, _ = await self._fetch_media(images, [])
             prompts.append(await self._process(p, images, param))  # the processor checks token ids
         return prompts, params

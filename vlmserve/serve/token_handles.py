@@ -20,7 +20,7 @@ import torch
 from vlmserve.config import ModelConfig
 from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import MultiModalItem
-from vlmserve.processor.qwen2_vl import ImageInput
+from vlmserve.processor.base import ImageInput
 from vlmserve.serve import shm
 
 MODALITIES = ("image", "video", "audio", "text")
@@ -54,11 +54,8 @@ def tokenize(frontend: Frontend, inputs: list[dict[str, Any]], add_generation_pr
     """Token ids of the chat-templated prompt, with every image's pixels in shared memory and
     its segment handle and grid in its first two placeholder positions. The engine unlinks the
     segments when it reads them; a caller that never submits the ids must call `release(ids)`."""
-    if frontend.model_config.qwen_vl is not None:
-        raise ValueError(
-            "shared-memory handles in token ids (seed 004) are for Qwen2-VL and Qwen2.5-VL; Qwen-VL-Chat's "
-            "token ids carry each image's path or URL already: use LLM.get_tokenizer().encode('<img>PATH</img>...')"
-        )
+    if not frontend.family.token_handles:
+        raise ValueError(frontend.family.token_handles_refusal)
     messages, images = list_format_to_messages(inputs)
     text = frontend.tokenizer.apply_chat_template(messages, add_generation_prompt)
     prompt = frontend.processor.process(text, images)

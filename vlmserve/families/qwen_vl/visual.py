@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.attention import AttentionBackend
-from vlmserve.config import QwenVisualConfig
+from vlmserve.families.qwen_vl.config import QwenVisualConfig
 from vlmserve.models.layers import Linear
 
 LAYER_NORM_EPS = 1e-6  # partial(nn.LayerNorm, eps=1e-6) for every norm of the tower

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from vlmserve.families.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from vlmserve.families.qwen2_vl.vision_2_5 import Qwen2_5_VisionTransformer
 from vlmserve.models.loader import WeightTable
-from vlmserve.models.qwen2_5_vision import Qwen2_5_VisionTransformer
-from vlmserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -29,11 +29,12 @@ from torch import nn
 from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.config import ModelConfig, QwenVLConfig, TextConfig
+from vlmserve.config import ModelConfig, TextConfig
+from vlmserve.families.qwen_vl.config import QwenVLConfig, qwen_vl_config
+from vlmserve.families.qwen_vl.visual import QwenVisionTransformer
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import Linear, RMSNorm, rotate_half
 from vlmserve.models.loader import WeightTable, load_weights
-from vlmserve.models.qwen_vl_visual import QwenVisionTransformer
 from vlmserve.multimodal.inputs import MultiModalItem
 
 # Lengths up to seq_length * 2**MAX_DOUBLINGS get their own alpha (2**41 - 1 at most).
@@ -165,8 +166,7 @@ class QWenModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        assert config.qwen_vl is not None, "a Qwen-VL config (model_type 'qwen')"
-        text, qwen = config.text, config.qwen_vl
+        text, qwen = config.text, qwen_vl_config(config)
         self.qwen = qwen
         self.wte = nn.Embedding(text.vocab_size, text.hidden_size)
         self.h = nn.ModuleList([QWenBlock(text, qwen, backend) for _ in range(text.num_hidden_layers)])
@@ -196,7 +196,7 @@ class QWenModel(nn.Module):
 class QWenLMHeadModel(VLModel):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        assert config.qwen_vl is not None, "a Qwen-VL config (model_type 'qwen')"
+        qwen_vl_config(config)  # asserts a Qwen-VL config (model_type 'qwen')
         self.config = config
         self.transformer = QWenModel(config, backend)
         # The published checkpoint is untied; a tied one gets its lm_head in tie_weights().
@@ -219,8 +219,7 @@ class QWenLMHeadModel(VLModel):
         between its <img> and </img>."""
         if not items:
             return []
-        assert self.config.qwen_vl is not None
-        n_queries = self.config.qwen_vl.visual.n_queries
+        n_queries = qwen_vl_config(self.config).visual.n_queries
         bad = [item.length for item in items if item.length != n_queries]
         assert not bad, f"Qwen-VL images take {n_queries} placeholder tokens each, items have {bad}"
         device = self.transformer.wte.weight.device

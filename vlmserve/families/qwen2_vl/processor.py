@@ -5,13 +5,12 @@ tokens, one MultiModalItem per image or video in prompt order, and the M-RoPE po
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
 
 from vlmserve.config import ModelConfig
-from vlmserve.multimodal.image import ImageProcessorConfig, ImageSizing, ProcessedImage, process_image, target_size
+from vlmserve.multimodal.image import ImageProcessorConfig, ProcessedImage, process_image, target_size
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
 from vlmserve.multimodal.mrope import mrope_positions
@@ -19,46 +18,12 @@ from vlmserve.multimodal.video import (
     MODEL_SEQ_LEN,
     VIDEO_MAX_TOKENS,
     ProcessedVideo,
-    VideoOptions,
     VideoPlan,
     open_video,
     process_video,
 )
+from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 from vlmserve.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    """One image as the user gave it: a path, URL, bytes or PIL image, and its resize options."""
-
-    source: object
-    sizing: ImageSizing = field(default_factory=ImageSizing)
-    label: str = "image"
-
-
-@dataclass(frozen=True)
-class VideoInput:
-    """One video as the user gave it: a path, URL or bytes of a file, or a list of frames (or a
-    uint8 array [frames, height, width, 3]), and its qwen-vl-utils options."""
-
-    source: object
-    options: VideoOptions = field(default_factory=VideoOptions)
-    label: str = "video"
-
-
-# A video costs hundreds to thousands of tokens: one per prompt unless asked for.
-DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 8, "video": 1}
-
-
-@dataclass(frozen=True)
-class ProcessorLimits:
-    max_model_len: int
-    # Items of each modality one prompt may hold (vLLM's limit_mm_per_prompt); a modality left out
-    # gets its DEFAULT_LIMIT_MM_PER_PROMPT.
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
-
-    def limit(self, modality: str) -> int:
-        return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_MM_PER_PROMPT[modality])
 
 
 class Qwen2VLProcessor:
@@ -128,8 +93,13 @@ class Qwen2VLProcessor:
             for k in range(count)
         ]
 
+    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
+        """Qwen2-VL prompts name no images inside their token ids."""
+        del prompt
+        return []
+
     def process(
-        self, prompt: str | list[int], images: Sequence[ImageInput], videos: Sequence[VideoInput] = ()
+        self, prompt: str | list[int], images: Sequence[ImageInput] = (), videos: Sequence[VideoInput] = ()
     ) -> ProcessedPrompt:
         """`prompt` holds one <|image_pad|> per image and one <|video_pad|> per video, in any order
         (each inside <|vision_start|>...<|vision_end|>, as the chat template writes it); each is

@@ -20,10 +20,9 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from vlmserve.processor.qwen2_vl import ImageInput
-from vlmserve.qwen_vl.tokenizer import (
+from vlmserve.families.qwen_vl.tokens import (
     ALL_SPECIAL_TOKENS,
     BOX_END,
     BOX_START,
@@ -38,9 +37,20 @@ from vlmserve.qwen_vl.tokenizer import (
     REF_END,
     REF_START,
 )
+from vlmserve.processor.base import ImageInput
 
-if TYPE_CHECKING:
-    from vlmserve.qwen_vl.tokenizer import QwenVLTokenizer
+
+class QwenVLTokenizer(Protocol):
+    """What the chat format needs of the tokenizer (tokenizer.py imports this module, not the
+    other way round)."""
+
+    im_start_id: int
+    im_end_id: int
+    img_start_id: int
+    max_window_size: int
+
+    def encode(self, text: str, allowed_special: Any = ...) -> list[int]: ...
+
 
 DEFAULT_SYSTEM = "You are a helpful assistant."  # QWenLMHeadModel.chat's default
 DEFAULT_MAX_WINDOW_SIZE = 6144  # generation_config.json

@@ -12,11 +12,11 @@ from torch import nn
 from vlmserve.attention import AttentionBackend
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import ModelConfig
+from vlmserve.families.qwen2_vl.decoder import Qwen2Model
+from vlmserve.families.qwen2_vl.vision import Qwen2VisionTransformer
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import Linear
 from vlmserve.models.loader import WeightTable, load_weights
-from vlmserve.models.qwen2 import Qwen2Model
-from vlmserve.models.qwen2_vision import Qwen2VisionTransformer
 from vlmserve.multimodal.inputs import MultiModalItem
 
 

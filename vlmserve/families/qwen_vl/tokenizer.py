@@ -41,22 +41,26 @@ from typing import Any, Literal
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from vlmserve.families.qwen_vl.chat_format import chat_prompt, from_list_format, to_list_format
+from vlmserve.families.qwen_vl.tokens import (
+    ALL_SPECIAL_TOKENS,
+    BOX_END,
+    BOX_START,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    IMAGE_END,
+    IMAGE_PAD,
+    IMAGE_ST,
+    IMAGE_START,
+    IMG_TOKEN_SPAN,
+    QUAD_END,
+    QUAD_START,
+    REF_END,
+    REF_START,
+)
 from vlmserve.model_files import read_json
-from vlmserve.tokenizer import byte_level_token_bytes
-
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-EXTRAS = tuple(f"<|extra_{i}|>" for i in range(205))
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, *EXTRAS)
-REF_START, REF_END = "<ref>", "</ref>"
-BOX_START, BOX_END = "<box>", "</box>"
-QUAD_START, QUAD_END = "<quad>", "</quad>"
-IMAGE_START, IMAGE_END, IMAGE_PAD = "<img>", "</img>", "<imgpad>"
-# The remote tokenizer's IMAGE_ST: what make_context lets through as special tokens in content.
-IMAGE_ST = (REF_START, REF_END, BOX_START, BOX_END, QUAD_START, QUAD_END, IMAGE_START, IMAGE_END, IMAGE_PAD)
-ALL_SPECIAL_TOKENS = SPECIAL_TOKENS + IMAGE_ST  # ids from len(ranks) on, in this order
-IMG_TOKEN_SPAN = 256  # positions between <img> and </img>: an image's features, or its URL's bytes
+from vlmserve.tokenizer import byte_level_token_bytes, compile_chat_template
 
 # Bump when the cached tokenizer.json's layout changes.
 _CACHE_VERSION = 1
@@ -275,13 +279,9 @@ class QwenVLTokenizer:
     # -- chat ---------------------------------------------------------------------------------------
 
     def from_list_format(self, list_format: list[dict[str, Any]]) -> str:
-        from vlmserve.qwen_vl.chat_format import from_list_format
-
         return from_list_format(list_format)
 
     def to_list_format(self, text: str) -> list[dict[str, str]]:
-        from vlmserve.qwen_vl.chat_format import to_list_format
-
         return to_list_format(text)
 
     def apply_chat_template(
@@ -296,16 +296,12 @@ class QwenVLTokenizer:
         if chat_template is not None:
             import jinja2
 
-            from vlmserve.tokenizer import compile_chat_template
-
             try:
                 return compile_chat_template(chat_template).render(
                     messages=messages, add_generation_prompt=add_generation_prompt, eos_token=ENDOFTEXT, **kwargs
                 )
             except jinja2.exceptions.TemplateError as e:
                 raise ValueError(f"the chat template could not render these messages: {e}") from None
-        from vlmserve.qwen_vl.chat_format import chat_prompt
-
         unknown = {k for k, v in kwargs.items() if v is not None} - {"system", "max_window_size"}
         if unknown:
             raise ValueError(

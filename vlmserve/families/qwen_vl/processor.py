@@ -43,12 +43,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlmserve.models.qwen_vl import ntk_alpha
+from vlmserve.families.qwen_vl.model import ntk_alpha
+from vlmserve.families.qwen_vl.tokenizer import IMG_TOKEN_SPAN, QwenVLTokenizer
 from vlmserve.multimodal.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSizing
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
-from vlmserve.processor.qwen2_vl import ImageInput, ProcessorLimits, VideoInput
-from vlmserve.qwen_vl.tokenizer import IMG_TOKEN_SPAN, QwenVLTokenizer
+from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 
 IMAGE_SIZE = 448
 PATCH_SIZE = 14
@@ -146,6 +146,11 @@ class QwenVLProcessor:
         ]
 
     # -- prompts --------------------------------------------------------------------------------
+
+    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
+        """The URL (or "") inside each <img>...</img> span of the prompt, in order."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return [url for _, url in self.image_spans(token_ids)]
 
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, str]]:
         """(offset of the span's first inner position, URL or "" when it holds none) per span.

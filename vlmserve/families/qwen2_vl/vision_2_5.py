@@ -18,8 +18,7 @@ from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
-from vlmserve.models.layers import Linear, RMSNorm, get_activation
-from vlmserve.models.qwen2_vision import (
+from vlmserve.families.qwen2_vl.vision import (
     PatchEmbed,
     PatchMerger,
     VisionAttention,
@@ -27,6 +26,7 @@ from vlmserve.models.qwen2_vision import (
     vision_cu_seqlens,
     vision_rotary_positions,
 )
+from vlmserve.models.layers import Linear, RMSNorm, get_activation
 
 
 def window_partition(

@@ -1,0 +1,3 @@
+"""Model families, one folder each: config parsing, tokenizer and chat rendering, processor,
+model and vision tower, tiny-checkpoint writer, and a `family.py` that describes the family to the
+rest of vlmserve (vlmserve/family.py) and is listed once in vlmserve/registry.py."""

@@ -1,0 +1,112 @@
+"""Qwen2-VL and Qwen2.5-VL as the rest of vlmserve sees them (vlmserve/family.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from vlmserve.families.qwen2_vl.config import (
+    QWEN2_5_VL_ARCHITECTURE,
+    QWEN2_VL_ARCHITECTURE,
+    parse_qwen2_5_vl_config,
+    parse_qwen2_vl_config,
+)
+from vlmserve.families.qwen2_vl.model import Qwen2VLForConditionalGeneration
+from vlmserve.families.qwen2_vl.model_2_5 import Qwen2_5_VLForConditionalGeneration
+from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
+from vlmserve.families.qwen2_vl.tiny import PRESETS, write_tiny_qwen2_vl
+from vlmserve.family import ModelFamily, ProcessorContext
+from vlmserve.model_files import read_json
+from vlmserve.multimodal.image import ImageProcessorConfig
+from vlmserve.processor.base import RenderedChat
+from vlmserve.processor.chat import parse_chat_messages
+from vlmserve.tokenizer import Tokenizer
+
+# The engine-wide options (LLM(mm_processor_kwargs=...)) this processor takes.
+PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
+
+
+def make_processor(ctx: ProcessorContext) -> Qwen2VLProcessor:
+    unknown = set(ctx.mm_processor_kwargs) - set(PROCESSOR_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"mm_processor_kwargs: unknown keys {sorted(unknown)}; supported: {', '.join(PROCESSOR_OPTIONS)}"
+        )
+    preprocessor = read_json(ctx.model_dir / "preprocessor_config.json") | dict(ctx.mm_processor_kwargs)
+    return Qwen2VLProcessor(
+        ctx.model_config, ctx.tokenizer, ImageProcessorConfig.from_dict(preprocessor), ctx.limits, ctx.media_limits
+    )
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any],
+) -> RenderedChat:
+    """The checkpoint's chat template over OpenAI-style or qwen-vl-utils-style messages."""
+    rendered, images, videos = parse_chat_messages(messages)
+    text = tokenizer.apply_chat_template(rendered, add_generation_prompt, chat_template, **chat_template_kwargs)
+    return RenderedChat(text, images, videos)
+
+
+def _writer(arch: str) -> Any:
+    def write_tiny(
+        out_dir: str | Path,
+        *,
+        seed: int = 0,
+        num_shards: int = 1,
+        preset: str = "tiny",
+        nested_config: bool = False,
+        untied: bool = False,
+    ) -> Path:
+        if (arch, preset) not in PRESETS:
+            raise ValueError(f"no preset {preset!r}; choose one of {sorted(p for a, p in PRESETS if a == arch)}")
+        spec = dataclasses.replace(PRESETS[(arch, preset)], tie_word_embeddings=not untied)
+        return write_tiny_qwen2_vl(out_dir, spec, seed=seed, nested_config=nested_config, num_shards=num_shards)
+
+    return write_tiny
+
+
+_COMMON: dict[str, Any] = dict(
+    load_tokenizer=Tokenizer,
+    make_processor=make_processor,
+    render_chat=render_chat,
+    extra_eos_token_ids=lambda tokenizer: [],
+    inspect_parts={
+        "embedding": "model.embed_tokens",
+        "blocks": "model.layers",
+        "final_norm": "model.norm",
+        "visual": "visual",
+        "adapter": "visual.merger",
+    },
+    adapter_name="patch merger (merger)",
+)
+
+QWEN2_VL = ModelFamily(
+    architecture=QWEN2_VL_ARCHITECTURE,
+    model_type="qwen2_vl",
+    name="qwen2_vl",
+    display_name="Qwen2-VL",
+    parse_config=parse_qwen2_vl_config,
+    model_class=Qwen2VLForConditionalGeneration,
+    grounding_convention="qwen2-vl",
+    write_tiny=_writer("qwen2_vl"),
+    transformers_class="Qwen2VLForConditionalGeneration",
+    **_COMMON,
+)
+
+QWEN2_5_VL = ModelFamily(
+    architecture=QWEN2_5_VL_ARCHITECTURE,
+    model_type="qwen2_5_vl",
+    name="qwen2_5_vl",
+    display_name="Qwen2.5-VL",
+    parse_config=parse_qwen2_5_vl_config,
+    model_class=Qwen2_5_VLForConditionalGeneration,
+    grounding_convention="qwen2.5-vl",
+    write_tiny=_writer("qwen2_5_vl"),
+    transformers_class="Qwen2_5_VLForConditionalGeneration",
+    **_COMMON,
+)

@@ -1,0 +1,92 @@
+"""Qwen-VL-Chat as the rest of vlmserve sees them (vlmserve/family.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmserve.families.qwen_vl.chat_format import chat_prompt, stop_token_ids
+from vlmserve.families.qwen_vl.config import QWEN_VL_ARCHITECTURE, parse_qwen_vl_config, qwen_vl_config
+from vlmserve.families.qwen_vl.model import QWenLMHeadModel
+from vlmserve.families.qwen_vl.processor import QwenVLProcessor
+from vlmserve.families.qwen_vl.tiny import write_tiny_qwen_vl
+from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
+from vlmserve.family import ModelFamily, ProcessorContext
+from vlmserve.processor.base import RenderedChat
+
+
+def make_processor(ctx: ProcessorContext) -> QwenVLProcessor:
+    # Every image is 448 x 448 (no resize options).
+    if ctx.mm_processor_kwargs:
+        raise ValueError("mm_processor_kwargs: Qwen-VL-Chat takes every image at 448 x 448; no options")
+    qwen = qwen_vl_config(ctx.model_config)
+    return QwenVLProcessor(
+        ctx.tokenizer,
+        ctx.limits,
+        ctx.media_limits,
+        vocab_size=ctx.model_config.text.vocab_size,
+        ntk_seq_length=qwen.seq_length if qwen.use_dynamic_ntk else None,
+    )
+
+
+def render_chat(
+    tokenizer: QwenVLTokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any],
+) -> RenderedChat:
+    """make_context's chatml with history, as token ids (its turns are encoded one by one)."""
+    if chat_template is not None:
+        raise ValueError("Qwen-VL-Chat has no chat template to replace; it prompts as make_context does")
+    unknown = set(chat_template_kwargs) - {"system", "max_window_size"}
+    if unknown:
+        raise ValueError(f"chat_template_kwargs: unknown keys {sorted(unknown)}; supported: system, max_window_size")
+    chat = chat_prompt(tokenizer, messages, add_generation_prompt, **chat_template_kwargs)
+    return RenderedChat(chat.token_ids, chat.images)
+
+
+def write_tiny(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    num_shards: int = 1,
+    preset: str = "tiny",
+    nested_config: bool = False,
+    untied: bool = False,
+) -> Path:
+    if nested_config or preset != "tiny":
+        raise ValueError("--arch qwen_vl has one layout and one preset (no --nested-config, --preset)")
+    del untied  # Qwen-VL-Chat's lm_head is always untied
+    return write_tiny_qwen_vl(out_dir, seed=seed, num_shards=num_shards)
+
+
+QWEN_VL = ModelFamily(
+    architecture=QWEN_VL_ARCHITECTURE,
+    model_type="qwen",
+    name="qwen_vl",
+    display_name="Qwen-VL-Chat",
+    parse_config=parse_qwen_vl_config,
+    model_class=QWenLMHeadModel,
+    load_tokenizer=QwenVLTokenizer,
+    make_processor=make_processor,
+    render_chat=render_chat,
+    # Its chat() stops on <|im_end|> or <|im_start|> (stop words) as well as <|endoftext|>.
+    extra_eos_token_ids=stop_token_ids,
+    grounding_convention="qwen-vl",
+    write_tiny=write_tiny,
+    inspect_parts={
+        "embedding": "transformer.wte",
+        "blocks": "transformer.h",
+        "final_norm": "transformer.ln_f",
+        "visual": "transformer.visual",
+        "adapter": "transformer.visual.attn_pool",
+    },
+    adapter_name="resampler (attn_pool)",
+    transformers_class=None,  # remote code only
+    token_handles=False,
+    token_handles_refusal=(
+        "shared-memory handles in token ids (seed 004) are for Qwen2-VL and Qwen2.5-VL; Qwen-VL-Chat's "
+        "token ids carry each image's path or URL already: use LLM.get_tokenizer().encode('<img>PATH</img>...')"
+    ),
+)

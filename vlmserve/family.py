@@ -1,0 +1,66 @@
+"""What the rest of vlmserve may ask of a model family: one `ModelFamily` per architecture, written
+by the family (vlmserve/families/<family>/family.py) and listed once in vlmserve/registry.py.
+
+Nothing here names a family. The engine, the server and the entrypoints reach a family only
+through these fields, so adding one is a new folder and one registry line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmserve.config import ModelConfig
+from vlmserve.multimodal.media import MediaLimits
+from vlmserve.processor.base import Processor, ProcessorLimits, RenderedChat
+
+
+@dataclass(frozen=True)
+class ProcessorContext:
+    """Everything a family's processor may be built from."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    tokenizer: Any  # the family's own tokenizer (an AnyTokenizer), as its load_tokenizer returned it
+    limits: ProcessorLimits
+    media_limits: MediaLimits
+    # Engine-wide processor options (LLM(mm_processor_kwargs=...)); each family says which it takes.
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    # Names: the architecture in config.json's `architectures`, its `model_type`, and the name
+    # `vlmserve make-tiny --arch` takes.
+    architecture: str
+    model_type: str
+    name: str
+    display_name: str  # for people: "Qwen2-VL"
+    # config.json (a dict, either published layout) -> the frozen ModelConfig.
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    # The nn.Module: model_class(config, attention_backend) implements vlmserve.models.base.VLModel.
+    model_class: Callable[..., Any]
+    load_tokenizer: Callable[[Path], Any]
+    make_processor: Callable[[ProcessorContext], Processor]
+    # OpenAI-style or the family's own messages -> the prompt the processor takes.
+    # (tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs)
+    render_chat: Callable[[Any, list[dict[str, Any]], bool, str | None, dict[str, Any]], RenderedChat]
+    # Token ids that end generation besides generation_config.json's eos (e.g. chat stop words).
+    extra_eos_token_ids: Callable[[Any], list[int]]
+    # How the model writes boxes: a vlmserve.grounding convention name.
+    grounding_convention: str
+    # Write a tiny random-weight checkpoint in the published layout:
+    # write_tiny(out_dir, seed=, num_shards=, preset=, nested_config=, untied=) -> the directory;
+    # ValueError for an option the family does not have.
+    write_tiny: Callable[..., Path]
+    # Where `vlmserve inspect` finds the parts (attribute paths in the model): embedding, blocks,
+    # final_norm, visual, adapter; and what the adapter is called.
+    inspect_parts: dict[str, str]
+    adapter_name: str
+    # The transformers class of the same architecture (the benchmark's reference), if it has one.
+    transformers_class: str | None = None
+    # Seed 004: images may travel as shared-memory handles inside the token ids.
+    token_handles: bool = True
+    # Why a token-handle prompt is refused, when token_handles is False.
+    token_handles_refusal: str = ""

@@ -1,0 +1,88 @@
+"""What every family's processor takes and offers, named without any family: the user's images
+and videos with their options, the per-prompt limits, and the `Processor` protocol the engine,
+the server and the entrypoints call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from vlmserve.multimodal.image import ImageSizing
+from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.multimodal.media import MediaLimits
+from vlmserve.multimodal.video import VideoOptions
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image as the user gave it: a path, URL, bytes or PIL image, and its resize options."""
+
+    source: object
+    sizing: ImageSizing = field(default_factory=ImageSizing)
+    label: str = "image"
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """One video as the user gave it: a path, URL or bytes of a file, or a list of frames (or a
+    uint8 array [frames, height, width, 3]), and its qwen-vl-utils options."""
+
+    source: object
+    options: VideoOptions = field(default_factory=VideoOptions)
+    label: str = "video"
+
+
+# A video costs hundreds to thousands of tokens: one per prompt unless asked for.
+DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 8, "video": 1}
+
+
+@dataclass(frozen=True)
+class ProcessorLimits:
+    max_model_len: int
+    # Items of each modality one prompt may hold (vLLM's limit_mm_per_prompt); a modality left out
+    # gets its DEFAULT_LIMIT_MM_PER_PROMPT.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_LIMIT_MM_PER_PROMPT))
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_MM_PER_PROMPT[modality])
+
+
+@dataclass
+class RenderedChat:
+    """A conversation as the processor takes it: the prompt (text, or token ids for a family whose
+    turns are encoded one by one) and the images and videos in order."""
+
+    prompt: str | list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    videos: list[VideoInput] = field(default_factory=list)
+
+
+class Processor(Protocol):
+    """A family's processor: prompt text (or token ids) plus media -> a ProcessedPrompt."""
+
+    media_limits: MediaLimits
+
+    def process(
+        self,
+        prompt: str | list[int],
+        images: Sequence[ImageInput] = (),
+        videos: Sequence[VideoInput] = (),
+    ) -> ProcessedPrompt: ...
+
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """A prompt whose items were processed elsewhere: spans checked, positions rebuilt."""
+        ...
+
+    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
+        """The images a prompt names itself, in order (a family whose prompts carry image paths
+        inside their token ids; the server fetches them through its guard first); [] for the
+        others. ValueError names a malformed span."""
+        ...
+
+    # What the memory planner needs (seed 003's processing info and dummy inputs).
+    def max_items_per_prompt(self) -> dict[str, int]: ...
+
+    def max_tokens_per_item(self) -> dict[str, int]: ...
+
+    def dummy_items(self, count: int, tokens_per_item: int, modality: str = "image") -> list[MultiModalItem]: ...
