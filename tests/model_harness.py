@@ -9,8 +9,9 @@ import torch
 
 from vlmserve.attention import select_backend
 from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.engine.contracts import NewRequestData
 from vlmserve.engine.kv_cache import KVCacheManager
-from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.model_runner import CachedRequestState, ModelRunner
 from vlmserve.engine.request import Request
 from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -31,7 +32,7 @@ class Harness:
         )
         self.kv = KVCacheManager(num_blocks, block_size=16)
         self.runner = ModelRunner(self.model, torch.device("cpu"), dtype)
-        self.runner.bind_kv_cache(self.kv)
+        self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
 
     @torch.inference_mode()
     def logits(self, prompt: ProcessedPrompt, chunks: list[int] | None = None, extra: list[int] = ()) -> torch.Tensor:
@@ -39,6 +40,19 @@ class Harness:
         tokens decoded one at a time."""
         request = Request("r", prompt, SamplingParams(max_tokens=len(extra) + 1), frozenset(), 1 << 20)
         request.output_token_ids = list(extra)
+        # The runner's copy of the request, for its positions (the model's decode rule past the prompt).
+        state = CachedRequestState.from_new(
+            NewRequestData(
+                request_id="r",
+                prompt_token_ids=prompt.prompt_token_ids,
+                mm_items=prompt.mm_items,
+                mrope_positions=prompt.mrope_positions,
+                mrope_delta=prompt.mrope_delta,
+                sampling_params=request.params,
+                block_ids=[],
+                num_computed_tokens=0,
+            )
+        )
         total = request.num_tokens
         sizes = (chunks or [prompt.num_tokens]) + [1] * len(extra)
         assert sum(sizes) == total
@@ -61,7 +75,7 @@ class Harness:
                 seq_lens_host=[end],
                 block_size=self.kv.block_size,
             )
-            hidden = self.model(None, request.positions(start, end), meta, embeds)
+            hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds)
             out.append(self.model.compute_logits(hidden).float())
             request.num_computed_tokens = end
         self.kv.free("r")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.conftest import random_image
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.core import EngineCoreOutput
+from vlmserve.engine.contracts import EngineCoreOutput
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.grounding import (
     PALETTE,
@@ -244,7 +244,13 @@ def test_skip_special_tokens_false_keeps_the_box_tokens_but_not_eos(tiny_dir: Pa
         outputs = []
         for i, token in enumerate(ids):
             done = i == len(ids) - 1
-            update = EngineCoreOutput("r", [token], "stop" if done else None, None, 0)
+            update = EngineCoreOutput(
+                request_id="r",
+                new_token_ids=[token],
+                finish_reason="stop" if done else None,
+                stop_reason=None,
+                num_cached_tokens=0,
+            )
             outputs += processor.process([update])[0]
         assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == ids
         return outputs[-1].outputs[0].text, outputs[-1].mm_items

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 
+from vlmserve.engine.contracts import SchedulerOutput
 from vlmserve.engine.request import Request
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -21,3 +22,8 @@ def make_request(
     ]
     prompt = ProcessedPrompt(list(range(first_token, first_token + num_prompt_tokens)), items, None, 0)
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), frozenset({99999}), max_model_len)
+
+
+def encoder_inputs(out: SchedulerOutput) -> list[tuple[str, int]]:
+    """(request id, item index) of every image or video the step encodes, in order."""
+    return [(request_id, i) for request_id, indexes in out.scheduled_encoder_inputs.items() for i in indexes]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tests.engine.helpers import make_request
+from tests.engine.helpers import encoder_inputs, make_request
+from vlmserve.engine.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import RequestStatus
-from vlmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(
@@ -23,8 +24,12 @@ def make_scheduler(
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
     out = s.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    s.update_from_output(out, sampled)
+    sampled = {
+        request_id: token
+        for request_id, n in out.num_scheduled_tokens.items()
+        if s.requests[request_id].num_computed_tokens + n == s.requests[request_id].num_tokens
+    }
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     return out
 
 
@@ -33,12 +38,12 @@ def test_budget_chunks_long_prompts_and_running_requests_go_first() -> None:
     a, b = make_request("a", 25), make_request("b", 4)
     s.add_request(a)
     s.add_request(b)
-    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 10)]
-    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 10)]
+    assert list(run_step(s).num_scheduled_tokens.items()) == [("a", 10)]
+    assert list(run_step(s).num_scheduled_tokens.items()) == [("a", 10)]
     # a needs 5 more, b its 4 prompt tokens: both fit in one step, a (running) first.
-    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 5), ("b", 4)]
+    assert list(run_step(s).num_scheduled_tokens.items()) == [("a", 5), ("b", 4)]
     assert a.output_token_ids == [7] and b.output_token_ids == [7]
-    assert [(r.request_id, n) for r, n in run_step(s).scheduled] == [("a", 1), ("b", 1)]  # decoding
+    assert list(run_step(s).num_scheduled_tokens.items()) == [("a", 1), ("b", 1)]  # decoding
 
 
 def test_new_requests_join_between_steps_and_finished_ones_free_at_once() -> None:
@@ -49,7 +54,7 @@ def test_new_requests_join_between_steps_and_finished_ones_free_at_once() -> Non
     b = make_request("b", 4, max_tokens=5)
     s.add_request(b)
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 4)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 4)]
     assert a.status == RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7]
     assert "a" not in s.kv.block_ids and "a" not in s.requests
     assert [r.request_id for r in s.running] == ["b"]
@@ -69,7 +74,7 @@ def test_max_num_seqs_and_fcfs() -> None:
     for name in "abcd":
         s.add_request(make_request(name, 3))
     out = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
     assert [r.request_id for r in s.waiting] == ["c", "d"]
 
 
@@ -84,14 +89,14 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     run_step(s)  # token 12 of each: fits in block 3
     assert s.kv.pool.num_free == 0
     out = run_step(s)  # a's 14th token needs a new block -> b preempted
-    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert list(out.num_scheduled_tokens) == ["a"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert "b" not in s.kv.block_ids and s.waiting[0] is b
     assert b.output_token_ids == [7, 7]  # kept, recomputed on resume
     # Finish a; b comes back and recomputes prompt + its outputs in one chunk.
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 13)]
+    assert list(out.num_scheduled_tokens.items()) == [("b", 13)]
     assert b.output_token_ids == [7, 7, 7]
 
 
@@ -115,10 +120,10 @@ def test_an_image_split_across_chunks_is_encoded_once_and_kept_until_its_last_to
     a = make_request("a", 20, images=[(2, 10, "img")])  # placeholders 2..11
     s.add_request(a)
     out = run_step(s)  # tokens 0..5: image starts
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0)]
+    assert encoder_inputs(out) == [("a", 0)]
     assert s.encoder_cache.users == {"img": {"a"}}
     out = run_step(s)  # 6..11: image ends exactly here
-    assert out.encoder_inputs == []
+    assert out.scheduled_encoder_inputs == {}
     assert s.encoder_cache.users == {"img": set()} and "img" in s.encoder_cache.unused
 
 
@@ -127,7 +132,7 @@ def test_identical_images_in_two_requests_are_encoded_once() -> None:
     s.add_request(make_request("a", 10, images=[(1, 4, "same")]))
     s.add_request(make_request("b", 10, images=[(1, 4, "same"), (6, 2, "other")], first_token=50))
     out = s.schedule()
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0), ("b", 1)]
+    assert encoder_inputs(out) == [("a", 0), ("b", 1)]
     assert (s.encoder_cache.hits, s.encoder_cache.misses) == (1, 2)
 
 
@@ -138,10 +143,10 @@ def test_encoder_cache_keeps_finished_images_and_evicts_least_recent() -> None:
     run_step(s)  # both done; x and y stay cached (8 of 10 tokens)
     s.add_request(make_request("c", 8, images=[(1, 4, "x")], max_tokens=1, first_token=90))
     out = run_step(s)
-    assert out.encoder_inputs == []  # x is still there: no encode
+    assert out.scheduled_encoder_inputs == {}  # x is still there: no encode
     s.add_request(make_request("d", 8, images=[(1, 4, "z")], max_tokens=1, first_token=130))
     out = s.schedule()
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("d", 0)]
+    assert encoder_inputs(out) == [("d", 0)]
     assert out.free_encoder_hashes == ["y"]  # x was used more recently than y
 
 
@@ -152,13 +157,13 @@ def test_chunks_stop_before_an_image_the_encoder_cannot_take() -> None:
     s.add_request(make_request("a", 8, images=[(2, 5, "a-img")]))
     s.add_request(make_request("b", 12, images=[(1, 6, "b-img")], first_token=100))
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 6)]  # a-img (2..6) still in use
+    assert list(out.num_scheduled_tokens.items()) == [("a", 6)]  # a-img (2..6) still in use
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 2), ("b", 1)]  # b: token 0 only
-    assert out.encoder_inputs == []
+    assert list(out.num_scheduled_tokens.items()) == [("a", 2), ("b", 1)]  # b: token 0 only
+    assert out.scheduled_encoder_inputs == {}
     out = run_step(s)  # a-img is released now: b's image fits
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 5)]
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("b", 0)]
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 5)]
+    assert encoder_inputs(out) == [("b", 0)]
 
 
 def test_requests_that_can_never_fit_are_refused() -> None:
@@ -176,20 +181,20 @@ def test_prefix_hit_skips_cached_tokens_and_their_images() -> None:
     s = make_scheduler(budget=100)
     s.add_request(make_request("a", 20, images=[(2, 8, "img")], max_tokens=1))
     out = run_step(s)
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("a", 0)]
+    assert encoder_inputs(out) == [("a", 0)]
     # Same prompt and picture: 4 full blocks (16 tokens) cached; the image (2..9) lies inside.
     b = make_request("b", 20, images=[(2, 8, "img")], max_tokens=1)
     s.add_request(b)
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 4)]
+    assert list(out.num_scheduled_tokens.items()) == [("b", 4)]
     assert b.num_cached_tokens == 16
-    assert out.encoder_inputs == []
+    assert out.scheduled_encoder_inputs == {}
     # Same text, another picture: only the first block (before the image) is reused.
     c = make_request("c", 20, images=[(2, 8, "other")], max_tokens=1)
     s.add_request(c)
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("c", 20)]  # block 0 holds tokens 2, 3 of the image
-    assert [(r.request_id, i) for r, i in out.encoder_inputs] == [("c", 0)]
+    assert list(out.num_scheduled_tokens.items()) == [("c", 20)]  # block 0 holds tokens 2, 3 of the image
+    assert encoder_inputs(out) == [("c", 0)]
 
 
 def test_preempted_request_resumes_from_its_cached_blocks() -> None:
@@ -204,7 +209,7 @@ def test_preempted_request_resumes_from_its_cached_blocks() -> None:
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     out = run_step(s)
     # Only the block a took from b was evicted: b finds 2 of its blocks and recomputes 5 tokens.
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 5)]
+    assert list(out.num_scheduled_tokens.items()) == [("b", 5)]
     assert b.num_cached_tokens == 8
 
 

@@ -18,10 +18,9 @@ from torch import nn
 
 from tests.model_harness import Harness
 from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.engine.contracts import NewRequestData, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import ModelRunner
-from vlmserve.engine.request import Request
-from vlmserve.engine.scheduler import SchedulerOutput
 from vlmserve.entrypoints.cli import main as cli_main
 from vlmserve.families.qwen_vl.config import qwen_vl_config
 from vlmserve.families.qwen_vl.model import QwenRotaryEmbedding, apply_qwen_rotary, logn_factors, ntk_alpha
@@ -392,13 +391,26 @@ def test_image_embeddings_land_in_their_span(harness: Harness) -> None:
     model = harness.model
     kv = KVCacheManager(64, block_size=16)
     runner = ModelRunner(model, torch.device("cpu"), torch.float32)
-    runner.bind_kv_cache(kv)
-    request = Request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), frozenset(), 4096)
+    runner.bind_kv_cache(kv.pool.num_blocks, kv.block_size)
     assert kv.allocate_slots("r", len(ids))
+    new = NewRequestData(
+        request_id="r",
+        prompt_token_ids=ids,
+        mm_items=[item],
+        mrope_positions=prompt.mrope_positions,
+        mrope_delta=0,
+        sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+        block_ids=kv.block_ids["r"],
+        num_computed_tokens=0,
+    )
     seen: list[torch.Tensor] = []
     hook = model.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
     try:
-        runner.execute(SchedulerOutput(scheduled=[(request, len(ids))], encoder_inputs=[(request, 0)]))
+        runner.execute(
+            SchedulerOutput(
+                scheduled_new_reqs=[new], num_scheduled_tokens={"r": len(ids)}, scheduled_encoder_inputs={"r": [0]}
+            )
+        )
     finally:
         hook.remove()
     with torch.inference_mode():

@@ -93,16 +93,29 @@ def test_positions(qwen_vl_tokenizer: QwenVLTokenizer, images: dict[str, Path]) 
     assert torch.equal(rebuilt, pos) and delta == 0
     assert positions(1)[0].tolist() == [[0], [0], [0]]
     # Decoded tokens keep the prompt's length for NTK (the reference caches ntk_alpha at prefill),
-    # also when a preempted request recomputes them together with its prompt.
-    from vlmserve.engine.request import Request
+    # also when a preempted request recomputes them together with its prompt: the model's rule,
+    # applied by the runner past the prompt's own positions.
+    from vlmserve.engine.contracts import NewRequestData
+    from vlmserve.engine.model_runner import CachedRequestState
+    from vlmserve.families.qwen_vl.model import QWenLMHeadModel
     from vlmserve.sampling_params import SamplingParams
 
-    request = Request("r", out, SamplingParams(max_tokens=4), frozenset(), 4096)
-    for token in (11, 12, 13):
-        request.append_output_token(token)
-    decoded = request.positions(n, n + 3)
+    decoded = QWenLMHeadModel.decode_positions(n, n + 3, out.mrope_delta, n)
     assert decoded.tolist() == [[n, n + 1, n + 2], [n - 1] * 3, [n, n + 1, n + 2]]
-    assert torch.equal(request.positions(0, n + 3), torch.cat([pos, decoded], dim=1))
+    state = CachedRequestState.from_new(
+        NewRequestData(
+            request_id="r",
+            prompt_token_ids=out.prompt_token_ids,
+            mm_items=out.mm_items,
+            mrope_positions=out.mrope_positions,
+            mrope_delta=out.mrope_delta,
+            sampling_params=SamplingParams(max_tokens=4),
+            block_ids=[],
+            num_computed_tokens=0,
+        )
+    )
+    whole = state.positions(0, n + 3, QWenLMHeadModel.decode_positions)
+    assert torch.equal(whole, torch.cat([pos, decoded], dim=1))
 
 
 def test_explicit_images_fill_the_spans(qwen_vl_tokenizer: QwenVLTokenizer, images: dict[str, Path]) -> None:

@@ -5,12 +5,12 @@ the front end's business. The server runs it in its own process; the offline LLM
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from vlmserve.attention import select_backend
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from vlmserve.engine.contracts import EngineCoreOutput
 from vlmserve.engine.frontend import Frontend
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
@@ -22,19 +22,6 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one request got in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", or None while running
-    stop_reason: int | None  # the stop token id, when one ended it
-    num_cached_tokens: int
-    # For each new token (when asked): (logprob, rank, [(token id, logprob) of the top ones]).
-    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class EngineCore:
@@ -65,7 +52,7 @@ class EngineCore:
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
         logger.info(self.memory_plan.describe())
         self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner.bind_kv_cache(self.kv)
+        self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv)
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
@@ -125,18 +112,6 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        step = self.scheduler.schedule()
-        sampled = self.runner.execute(step)
-        updated = self.scheduler.update_from_output(step, sampled)
-        logprobs = self.runner.last_logprobs
-        return [
-            EngineCoreOutput(
-                request_id=r.request_id,
-                new_token_ids=r.output_token_ids[-1:],
-                finish_reason=r.status.value if r.status.finished else None,
-                stop_reason=r.stop_reason if isinstance(r.stop_reason, int) else None,
-                num_cached_tokens=r.num_cached_tokens,
-                logprobs=[(lp.logprob, lp.rank, lp.top)] if (lp := logprobs.get(r.request_id)) else None,
-            )
-            for r in updated
-        ]
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

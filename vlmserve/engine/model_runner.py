@@ -1,20 +1,73 @@
-"""Runs one scheduled step: encodes the images the step needs, builds the flat batch and its
-attention metadata, runs the model and samples the requests whose known tokens are all
+"""Runs one scheduled step: keeps what it needs of each request (CachedRequestState, filled from
+the SchedulerOutput's plain data), encodes the images the step needs, builds the flat batch and
+its attention metadata, runs the model and samples the requests whose known tokens are all
 computed. Also runs the memory planner's worst-case profile step."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
-from vlmserve.engine.sampler import Sampler, TokenLogprobs, token_logprobs
-from vlmserve.engine.scheduler import SchedulerOutput
+from vlmserve.engine.sampler import Sampler, token_logprobs
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
+
+# (start, end, mrope_delta, num_prompt_tokens) -> [3, end - start] positions
+DecodePositions = Callable[[int, int, int, int], torch.Tensor]
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's own copy of a request, from its NewRequestData on; it lives until the request
+    finishes (across preemptions, so a seeded generator continues where it was)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, then every token sampled for it
+    num_prompt_tokens: int
+    mm_items: list[MultiModalItem]
+    mrope_positions: torch.Tensor | None  # [3, num_prompt_tokens]
+    mrope_delta: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
+        seed = new.sampling_params.seed
+        return cls(
+            request_id=new.request_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            mm_items=new.mm_items,
+            mrope_positions=new.mrope_positions,
+            mrope_delta=new.mrope_delta,
+            params=new.sampling_params,
+            generator=None if seed is None else torch.Generator().manual_seed(seed),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    def positions(self, start: int, end: int, decode_positions: DecodePositions) -> torch.Tensor:
+        """[3, end - start] positions of tokens [start, end): the prompt's own, then the model's
+        rule for generated tokens (VLModel.decode_positions)."""
+        p = self.num_prompt_tokens
+        pieces = []
+        if start < p and self.mrope_positions is not None:
+            pieces.append(self.mrope_positions[:, start : min(end, p)])
+            start = min(end, p)
+        if start < end:
+            # A prompt without precomputed positions starts the rule at position 0.
+            delta = self.mrope_delta if self.mrope_positions is not None else 0
+            pieces.append(decode_positions(start, end, delta, p))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class ModelRunner:
@@ -23,10 +76,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.sampler = Sampler()
-        self.kv: KVCacheManager | None = None
+        self.block_size = 0  # set by bind_kv_cache
+        self.requests: dict[str, CachedRequestState] = {}
         # Encoder outputs by content hash; the scheduler says when each may go.
         self.encoder_cache: dict[str, torch.Tensor] = {}
-        self.last_logprobs: dict[str, TokenLogprobs] = {}
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
 
     @property
@@ -34,18 +87,12 @@ class ModelRunner:
         per_layer = [2 * m.num_kv_heads * m.head_dim for m in self.attention_layers]
         return sum(per_layer) * torch.empty((), dtype=self.dtype).element_size()
 
-    def bind_kv_cache(self, kv: KVCacheManager, layers: list[PagedAttention] | None = None) -> None:
-        self.kv = kv
+    def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None:
+        self.block_size = block_size
         for layer in self.attention_layers if layers is None else layers:
             # Zeroed so padded reads in batched decode see finite values (masked away anyway).
             layer.kv_cache = torch.zeros(
-                2,
-                kv.pool.num_blocks,
-                kv.block_size,
-                layer.num_kv_heads,
-                layer.head_dim,
-                dtype=self.dtype,
-                device=self.device,
+                2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=self.dtype, device=self.device
             )
 
     def free_encoder_outputs(self, content_hashes: list[str]) -> None:
@@ -54,19 +101,39 @@ class ModelRunner:
 
     # -- a step ---------------------------------------------------------------------------------
 
+    def _update_states(self, step: SchedulerOutput) -> None:
+        for request_id in step.finished_req_ids:
+            self.requests.pop(request_id, None)
+        for new in step.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState.from_new(new)
+        for cached in step.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _slot(self, state: CachedRequestState, token_index: int) -> int:
+        return state.block_ids[token_index // self.block_size] * self.block_size + token_index % self.block_size
+
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[str, int]:
-        """The token sampled for each request that reached the end of its known tokens;
-        their log-probabilities, where asked for, are left in `self.last_logprobs`."""
-        assert self.kv is not None, "bind_kv_cache() before the first step"
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """The token sampled for each request that reached the end of its known tokens (appended
+        to the runner's copy of the request too), and their log-probabilities where asked for."""
+        assert self.block_size, "bind_kv_cache() before the first step"
+        self._update_states(step)
         self.free_encoder_outputs(step.free_encoder_hashes)
-        if step.encoder_inputs:
-            items = [request.mm_items[i] for request, i in step.encoder_inputs]
+        if step.scheduled_encoder_inputs:
+            items = [
+                self.requests[request_id].mm_items[i]
+                for request_id, indexes in step.scheduled_encoder_inputs.items()
+                for i in indexes
+            ]
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):
                 self.encoder_cache[item.content_hash] = embeds
-        self.last_logprobs = {}
-        if not step.scheduled:
-            return {}
+        if not step.num_scheduled_tokens:
+            return ModelRunnerOutput()
 
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -76,40 +143,47 @@ class ModelRunner:
         block_rows: list[list[int]] = []
         mm_spans: list[tuple[int, torch.Tensor]] = []  # (row in the batch, embeddings to place there)
         sample_rows: list[int] = []
-        sampled_requests = []
-        for request, n in step.scheduled:
-            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+        sampled: list[CachedRequestState] = []
+        for request_id, n in step.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            assert end <= len(state.token_ids), (
+                f"{request_id}: tokens up to {end} scheduled, {len(state.token_ids)} known"
+            )
             base = len(token_ids)
-            token_ids.extend(request.token_ids(start, end))
-            positions.append(request.positions(start, end))
-            slots.extend(self.kv.slot(request.request_id, t) for t in range(start, end))
-            for item in request.mm_items:
+            token_ids.extend(state.token_ids[start:end])
+            positions.append(state.positions(start, end, self.model.decode_positions))
+            slots.extend(self._slot(state, t) for t in range(start, end))
+            for item in state.mm_items:
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
                     embeds = self.encoder_cache[item.content_hash]
                     mm_spans.append((base + lo - start, embeds[lo - item.offset : hi - item.offset]))
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
-            block_rows.append(self.kv.block_ids[request.request_id])
-            if end == request.num_tokens:  # every known token computed: sample the next one
+            block_rows.append(state.block_ids)
+            if end == len(state.token_ids):  # every known token computed: sample the next one
                 sample_rows.append(len(token_ids) - 1)
-                sampled_requests.append(request)
+                sampled.append(state)
 
-        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.kv.block_size)
+        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs_embeds = self.model.get_input_embeddings(input_ids)
         for row, embeds in mm_spans:
             inputs_embeds[row : row + embeds.shape[0]] = embeds.to(inputs_embeds.dtype)
         hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds)
-        if not sampled_requests:
-            return {}
+        if not sampled:
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        tokens = self.sampler(logits, [r.params for r in sampled_requests], [r.generator for r in sampled_requests])
-        counts = [r.params.logprobs for r in sampled_requests]
+        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
+        counts = [s.params.logprobs for s in sampled]
         if any(c is not None for c in counts):
             info = token_logprobs(logits, tokens, counts)
-            self.last_logprobs = {r.request_id: x for r, x in zip(sampled_requests, info, strict=True) if x is not None}
-        return {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
+            out.logprobs = {s.request_id: x for s, x in zip(sampled, info, strict=True) if x is not None}
+        for state, token in zip(sampled, tokens, strict=True):
+            state.token_ids.append(token)
+        return out
 
     def _metadata(
         self,
@@ -142,13 +216,15 @@ class ModelRunner:
         `num_tokens` new tokens at the end of a max_model_len context, decode `num_seqs` sequences
         of max_model_len, and sample `num_seqs` rows. Uses a scratch KV cache of max_model_len
         tokens (not counted)."""
-        scratch = KVCacheManager(-(-max_model_len // block_size), block_size, enable_prefix_caching=False)
-        blocks = list(range(scratch.pool.num_blocks))
+        num_blocks = -(-max_model_len // block_size)
+        blocks = list(range(num_blocks))
         hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
         greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
         meter = PeakMeter(self.device)
         with one_block_per_stack(self.model):
-            self.bind_kv_cache(scratch, [m for m in self.model.modules() if isinstance(m, PagedAttention)])
+            self.bind_kv_cache(
+                num_blocks, block_size, [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+            )
             baseline = meter.current()
             meter.reset()
             if dummy_items:
@@ -180,7 +256,7 @@ class ModelRunner:
         peak = meter.peak()
         for layer in self.attention_layers:
             layer.kv_cache = None
-        self.kv = None
+        self.block_size = 0
         return max(0, peak - baseline)
 
     def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vlmserve.engine.core import EngineCoreOutput
+from vlmserve.engine.contracts import EngineCoreOutput, TokenLogprobs
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.request import RequestStatus
 from vlmserve.outputs import CompletionOutput, Logprob, MultiModalItemInfo, RequestOutput
@@ -129,15 +129,15 @@ class OutputProcessor:
         self,
         output: CompletionOutput,
         token_ids: list[int],
-        logprobs: list[tuple[float, int, list[tuple[int, float]]]],
+        logprobs: list[TokenLogprobs],
     ) -> None:
         assert output.logprobs is not None
-        for token_id, (logprob, rank, top) in zip(token_ids, logprobs, strict=True):
-            entry = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
-            for top_rank, (top_id, top_logprob) in enumerate(top, start=1):
+        for token_id, info in zip(token_ids, logprobs, strict=True):
+            entry = {token_id: Logprob(info.logprob, info.rank, self._token_text(token_id))}
+            for top_rank, (top_id, top_logprob) in enumerate(info.top, start=1):
                 entry.setdefault(top_id, Logprob(top_logprob, top_rank, self._token_text(top_id)))
             output.logprobs.append(entry)
-            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + logprob
+            output.cumulative_logprob = (output.cumulative_logprob or 0.0) + info.logprob
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")

@@ -38,7 +38,6 @@ class Request:
         self.mm_items: list[MultiModalItem] = prompt.mm_items
         self.mrope_positions: torch.Tensor | None = prompt.mrope_positions
         self.mrope_delta = prompt.mrope_delta
-        self.ntk_context_len = prompt.ntk_context_len
         self.cache_salt = prompt.cache_salt
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
@@ -53,11 +52,11 @@ class Request:
         self.num_preemptions = 0
         # Prefix-cache hashes of the request's full blocks, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # What the model runner has of it: whether it was sent whole, and how many block ids.
+        self.sent_to_runner = False
+        self.num_sent_blocks = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,24 +74,6 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions [3, end - start] of tokens [start, end)."""
-        p = self.num_prompt_tokens
-        pieces = []
-        if start < p and self.mrope_positions is not None:
-            pieces.append(self.mrope_positions[:, start : min(end, p)])
-            start = min(end, p)
-        if start < end:
-            # Generated tokens (and prompts without precomputed positions) advance all three
-            # streams together, offset by the prompt's mrope_delta.
-            delta = self.mrope_delta if self.mrope_positions is not None else 0
-            generated = torch.arange(start + delta, end + delta).expand(3, -1)
-            if self.ntk_context_len is not None:
-                generated = generated.clone()
-                generated[1] = self.ntk_context_len - 1
-            pieces.append(generated)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -3,10 +3,9 @@ request so its samples do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from vlmserve.engine.contracts import TokenLogprobs
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -22,16 +21,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's log-probability and rank (1 = most likely) under the model's raw
-    distribution, and the `logprobs` most likely tokens with theirs."""
-
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[TokenLogprobs | None]:

@@ -17,8 +17,15 @@ is recomputed later (prompt and generated tokens, from whatever prefix is still 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from vlmserve.engine.contracts import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vlmserve.engine.encoder_cache import EncoderCacheManager
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import Request, RequestStatus
@@ -33,16 +40,6 @@ class SchedulerConfig:
     encoder_cache_tokens: int = 16384
 
 
-@dataclass
-class SchedulerOutput:
-    # (request, number of its tokens to compute this step), in batch order.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    # Images to encode this step: (request, index into request.mm_items).
-    encoder_inputs: list[tuple[Request, int]] = field(default_factory=list)
-    # Encoder outputs (by content hash) the runner may drop.
-    free_encoder_hashes: list[str] = field(default_factory=list)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -51,6 +48,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Requests that ended since the last schedule(): the runner forgets them.
+        self.finished_req_ids: list[str] = []
         self.num_preemptions = 0  # since start
 
     # -- admission and removal ------------------------------------------------------------------
@@ -95,6 +94,8 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._release_encoder_outputs(request, upto=None)
         del self.requests[request.request_id]
+        if request.sent_to_runner:
+            self.finished_req_ids.append(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,6 +151,7 @@ class Scheduler:
             budget -= n
             encoder_budget -= encoder_tokens
         out.free_encoder_hashes = self.encoder_cache.take_freed()
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
     def _fit_encoder(self, request: Request, start: int, n: int, encoder_budget: int) -> tuple[int, int]:
@@ -172,18 +174,46 @@ class Scheduler:
         return n, need
 
     def _schedule(self, out: SchedulerOutput, request: Request, n: int) -> None:
-        out.scheduled.append((request, n))
+        request_id = request.request_id
+        out.num_scheduled_tokens[request_id] = n
+        block_ids = self.kv.block_ids[request_id]
+        if not request.sent_to_runner:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    mm_items=request.mm_items,
+                    mrope_positions=request.mrope_positions,
+                    mrope_delta=request.mrope_delta,
+                    sampling_params=request.params,
+                    block_ids=list(block_ids),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.sent_to_runner = True
+        else:
+            resumed = request.num_sent_blocks < 0
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(
+                    request_id=request_id,
+                    resumed_from_preemption=resumed,
+                    new_block_ids=list(block_ids if resumed else block_ids[request.num_sent_blocks :]),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        request.num_sent_blocks = len(block_ids)
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
         for index, item in enumerate(request.mm_items):
             # Acquire every image this chunk holds placeholders of; encode those not cached.
             in_chunk = item.offset < end and item.end > start
-            if in_chunk and self.encoder_cache.acquire(item.content_hash, request.request_id, item.length):
-                out.encoder_inputs.append((request, index))
+            if in_chunk and self.encoder_cache.acquire(item.content_hash, request_id, item.length):
+                out.scheduled_encoder_inputs.setdefault(request_id, []).append(index)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         self._release_encoder_outputs(request, upto=None)
         request.num_computed_tokens = 0
+        request.num_sent_blocks = -1  # its blocks are gone: the runner gets a whole new list
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -196,22 +226,33 @@ class Scheduler:
             if upto is None or item.end <= upto:
                 self.encoder_cache.release(item.content_hash, request.request_id)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, retire finished requests. Returns the
-        requests that received a token this step."""
-        updated = []
-        for request, n in out.scheduled:
-            if request.status != RequestStatus.RUNNING:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, retire finished requests. Returns what
+        each request that received a token got."""
+        outputs = []
+        for request_id, n in out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
             self.kv.cache_blocks(request, request.num_computed_tokens)
             self._release_encoder_outputs(request, upto=request.num_computed_tokens)
-            token = sampled.get(request.request_id)
+            token = result.sampled_token_ids.get(request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
             request.append_output_token(token)
-            updated.append(request)
+            logprobs = result.logprobs.get(request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token],
+                    finish_reason=request.status.value if request.status.finished else None,
+                    stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                    num_cached_tokens=request.num_cached_tokens,
+                    logprobs=None if logprobs is None else [logprobs],
+                )
+            )
             if request.status.finished:
                 self.running.remove(request)
                 self._release(request)
-        return updated
+        return outputs

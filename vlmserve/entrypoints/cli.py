@@ -84,7 +84,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
     from vlmserve.registry import convention_for_model
 
-    return args.box_convention or cast(Convention, convention_for_model(llm.llm_engine.model_config.model_type))
+    return args.box_convention or cast("Convention", convention_for_model(llm.llm_engine.model_config.model_type))
 
 
 def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path) -> int:

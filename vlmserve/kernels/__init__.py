@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from vlmserve.models.layers import LinearOp
+# (input, weight, bias) -> input @ weight.T + bias: what a Linear layer computes with.
+LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def select_linear_op(device: torch.device, dtype: torch.dtype) -> LinearOp:

@@ -28,6 +28,14 @@ class VLModel(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def decode_positions(start: int, end: int, mrope_delta: int, num_prompt_tokens: int) -> torch.Tensor:
+        """[3, end - start] positions of tokens [start, end) past the prompt (generated tokens,
+        0-based over the whole sequence). M-RoPE: all three rows advance together, offset by the
+        prompt's mrope_delta. A family with another rule overrides this."""
+        del num_prompt_tokens
+        return torch.arange(start + mrope_delta, end + mrope_delta).expand(3, -1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -3,13 +3,11 @@ implementations so that bfloat16 runs round where they round."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+from vlmserve.kernels import LinearOp
 
 
 class Linear(nn.Linear):

@@ -37,11 +37,6 @@ class ProcessedPrompt:
     # Position of decode token i (0-based over the whole sequence) is i + mrope_delta.
     mrope_delta: int
     prompt: str | None = None
-    # Dynamic-NTK rotary (Qwen-VL-Chat): the reference picks the rotary base from the prompt's
-    # length at prefill and keeps it while decoding, so generated tokens carry prompt length - 1 in
-    # positions row 1 (1-D rotary leaves rows 1 and 2 free; row 1 + 1 is the length the model
-    # scales for). None: generated tokens advance all three rows (M-RoPE).
-    ntk_context_len: int | None = None
     # Mixed into the prefix-cache hash of the first block (vLLM's cache_salt): prompts with
     # different salts never share KV (here: their dynamic-NTK rotary bases differ).
     cache_salt: str | None = None

@@ -25,7 +25,6 @@ import zmq
 import zmq.asyncio
 
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.core import EngineCoreOutput
 from vlmserve.engine.frontend import Frontend
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -246,18 +245,7 @@ class EngineClient:
             logger.warning("dropped a malformed engine message: %s", e)
             return
         if isinstance(message, StepOutputs):
-            updates = [
-                EngineCoreOutput(
-                    o.request_id,
-                    list(o.new_token_ids),
-                    o.finish_reason,
-                    o.stop_reason,
-                    o.num_cached_tokens,
-                    None if o.logprobs is None else [(lp, rank, list(top)) for lp, rank, top in o.logprobs],
-                )
-                for o in message.outputs
-            ]
-            outputs, stopped = self.output_processor.process(updates)
+            outputs, stopped = self.output_processor.process(message.outputs)
             if stopped:
                 self._push.send(encoder.encode(AbortRequests(stopped, stopped=True)))
             for output in outputs:

@@ -29,7 +29,6 @@ from vlmserve.serve import shm, token_handles
 from vlmserve.serve.messages import (
     AbortRequests,
     AddRequest,
-    CoreOutput,
     Ready,
     RequestFailed,
     Shutdown,
@@ -67,18 +66,7 @@ class EngineLoop:
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 if outputs:
-                    wire = [
-                        CoreOutput(
-                            o.request_id,
-                            o.new_token_ids,
-                            o.finish_reason,
-                            o.stop_reason,
-                            o.num_cached_tokens,
-                            o.logprobs,
-                        )
-                        for o in outputs
-                    ]
-                    self.push.send(encoder.encode(StepOutputs(wire)))
+                    self.push.send(encoder.encode(StepOutputs(outputs)))
             if time.monotonic() - self.last_stats > STATS_INTERVAL_S:
                 self._send_stats()
 

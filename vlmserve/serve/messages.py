@@ -7,6 +7,8 @@ from typing import Union
 
 import msgspec
 
+from vlmserve.engine.contracts import EngineCoreOutput
+
 
 class ItemSpec(msgspec.Struct, frozen=True):
     """One image or video of a request: where its placeholders are and where its pixels wait."""
@@ -58,22 +60,13 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
 ToEngine = Union[AddRequest, AbortRequests, Shutdown]  # noqa: UP007 (msgspec reads the Union)
 
 
-class CoreOutput(msgspec.Struct, frozen=True):
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | None
-    num_cached_tokens: int
-    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
-
-
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
     memory_plan: str
     max_model_len: int
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):
-    outputs: list[CoreOutput]
+    outputs: list[EngineCoreOutput]  # the engine core's own output type
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag="failed"):

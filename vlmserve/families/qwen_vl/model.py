@@ -206,6 +206,16 @@ class QWenLMHeadModel(VLModel):
             else Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         )
 
+    @staticmethod
+    def decode_positions(start: int, end: int, mrope_delta: int, num_prompt_tokens: int) -> torch.Tensor:
+        """Rows 0 and 2: the rotary position; row 1: prompt length - 1 for every generated token.
+        The reference picks its dynamic-NTK rotary base from the prompt's length at prefill and
+        keeps it while decoding (processor.py's docstring), so row 1 + 1 stays the prompt's length,
+        also when a preempted request is recomputed."""
+        positions = torch.arange(start + mrope_delta, end + mrope_delta).expand(3, -1).clone()
+        positions[1] = num_prompt_tokens - 1
+        return positions  # [3, end - start]
+
     def tie_weights(self) -> None:
         if self.config.text.tie_word_embeddings:
             embed = self.transformer.wte.weight

@@ -26,7 +26,7 @@ uses:
                                   in one forward), which its dynamic NTK scaling depends on
 
 and mrope_delta = 0: decoded token i sits at i on rows 0 and 2. Row 1 stays N - 1 while
-decoding (ntk_context_len = N): the reference chooses ntk_alpha from the prompt's length at
+decoding (QWenLMHeadModel.decode_positions): the reference chooses ntk_alpha from the prompt's length at
 prefill and keeps it for every decode step (QWenModel.forward's `else: ntk_alpha =
 self.rotary_emb._ntk_alpha_cached`; seed 000 notes the check is true only at the start of
 generate).
@@ -212,7 +212,6 @@ class QwenVLProcessor:
             mrope_positions=pos,
             mrope_delta=delta,
             prompt=text,
-            ntk_context_len=num_tokens,
             cache_salt=self._cache_salt(num_tokens),
         )
 
@@ -223,9 +222,7 @@ class QwenVLProcessor:
             raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
         check_image_items(token_ids, items, self.tokenizer.img_start_id)
         pos, delta = positions(len(token_ids), items)
-        return ProcessedPrompt(
-            token_ids, items, pos, delta, ntk_context_len=len(token_ids), cache_salt=self._cache_salt(len(token_ids))
-        )
+        return ProcessedPrompt(token_ids, items, pos, delta, cache_salt=self._cache_salt(len(token_ids)))
 
     def _cache_salt(self, num_tokens: int) -> str | None:
         if self.ntk_seq_length is None:

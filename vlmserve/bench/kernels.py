@@ -1,4 +1,4 @@
-"""`python -m vlmserve.kernels.bench`: the CPU bf16 linear kernel against torch's F.linear on the
+"""`python -m vlmserve.bench.kernels`: the CPU bf16 linear kernel against torch's F.linear on the
 benchmark model's shapes, for 1 to 64 rows."""
 
 from __future__ import annotations
