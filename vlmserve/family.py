@@ -13,16 +13,15 @@ from typing import Any
 
 from vlmserve.config import ModelConfig
 from vlmserve.multimodal.media import MediaLimits
-from vlmserve.processor.base import Processor, ProcessorLimits, RenderedChat
+from vlmserve.processor.base import ProcessingInfo, Processor, ProcessorLimits, RenderedChat
 
 
 @dataclass(frozen=True)
 class ProcessorContext:
-    """Everything a family's processor may be built from."""
+    """Everything a family's processor (and its processing info) may be built from."""
 
     model_dir: Path
     model_config: ModelConfig
-    tokenizer: Any  # the family's own tokenizer (an AnyTokenizer), as its load_tokenizer returned it
     limits: ProcessorLimits
     media_limits: MediaLimits
     # Engine-wide processor options (LLM(mm_processor_kwargs=...)); each family says which it takes.
@@ -42,7 +41,10 @@ class ModelFamily:
     # The nn.Module: model_class(config, attention_backend) implements vlmserve.models.base.VLModel.
     model_class: Callable[..., Any]
     load_tokenizer: Callable[[Path], Any]
-    make_processor: Callable[[ProcessorContext], Processor]
+    # The processor without its tokenizer (what the engine process needs), and whole.
+    make_processing_info: Callable[[ProcessorContext], ProcessingInfo]
+    # (context, the family's tokenizer as load_tokenizer returned it) -> the processor
+    make_processor: Callable[[ProcessorContext, Any], Processor]
     # OpenAI-style or the family's own messages -> the prompt the processor takes.
     # (tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs)
     render_chat: Callable[[Any, list[dict[str, Any]], bool, str | None, dict[str, Any]], RenderedChat]

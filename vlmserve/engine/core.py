@@ -9,9 +9,9 @@ import logging
 import torch
 
 from vlmserve.attention import select_backend
+from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from vlmserve.engine.contracts import EngineCoreOutput
-from vlmserve.engine.frontend import Frontend
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
@@ -25,22 +25,22 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, frontend: Frontend) -> None:
+    def __init__(self, config: EngineConfig, model: EngineModel) -> None:
         self.config = config
-        self.frontend = frontend
-        self.max_model_len = frontend.max_model_len
+        self.model_info = model
+        self.max_model_len = model.max_model_len
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, frontend.model_config.checkpoint_dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, model.model_config.checkpoint_dtype, self.device)
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
         self.model = build_model(
-            frontend.family.model_class, frontend.model_config, frontend.model_dir, backend, self.device, self.dtype
+            model.family.model_class, model.model_config, model.model_dir, backend, self.device, self.dtype
         )
         self.runner = ModelRunner(self.model, self.device, self.dtype)
         # The largest image or video a prompt may hold: the encoder must take it in one step.
-        limits = frontend.processor.max_items_per_prompt()
-        per_item = {m: n for m, n in frontend.processor.max_tokens_per_item().items() if limits.get(m, 0) > 0}
+        limits = model.processing.max_items_per_prompt()
+        per_item = {m: n for m, n in model.processing.max_tokens_per_item().items() if limits.get(m, 0) > 0}
         largest_modality = max(per_item, key=lambda m: per_item[m], default="image")
         largest_item = per_item.get(largest_modality, 1)
         scheduler_config = SchedulerConfig(
@@ -60,7 +60,7 @@ class EngineCore:
         block_bytes = self.runner.kv_bytes_per_token * config.block_size
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         dtype_size = torch.empty((), dtype=self.dtype).element_size()
-        encoder_cache = sched.encoder_cache_tokens * self.frontend.model_config.text.hidden_size * dtype_size
+        encoder_cache = sched.encoder_cache_tokens * self.model_info.model_config.text.hidden_size * dtype_size
         per_seq = -(-self.max_model_len // config.block_size)
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
@@ -71,7 +71,7 @@ class EngineCore:
             budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
         else:
             count = max(1, sched.max_encoder_tokens_per_step // largest_item)
-            dummy = self.frontend.processor.dummy_items(count, largest_item, largest_modality)
+            dummy = self.model_info.processing.dummy_items(count, largest_item, largest_modality)
             activations = self.runner.profile_run(
                 dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
             )
@@ -94,7 +94,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """One sample (n == 1); the front end fans out n > 1."""
-        request = Request(request_id, prompt, params, self.frontend.eos_token_ids, self.max_model_len)
+        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig
+from vlmserve.engine.checkpoint import EngineModel, processor_context
 from vlmserve.engine.config import EngineConfig
-from vlmserve.family import ModelFamily, ProcessorContext
+from vlmserve.family import ModelFamily
 from vlmserve.model_files import read_json, resolve_model_dir
-from vlmserve.processor.base import Processor, ProcessorLimits, RenderedChat
+from vlmserve.processor.base import Processor, RenderedChat
 from vlmserve.registry import family_of, load_model_config
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import AnyTokenizer
@@ -51,31 +52,32 @@ class Frontend:
             self.tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs or {}
         )
 
+    def engine_model(self) -> EngineModel:
+        """What the engine core needs of this checkpoint (its processor serves as processing info)."""
+        return EngineModel(
+            self.model_dir, self.model_config, self.family, self.processor, self.max_model_len, self.eos_token_ids
+        )
+
 
 def load_frontend(config: EngineConfig, model_dir: Path | None = None) -> Frontend:
     model_dir = model_dir or resolve_model_dir(config.model, config.revision)
     model_config = load_model_config(model_dir / "config.json")
     family = family_of(model_config)
     generation_config = read_json(model_dir / "generation_config.json")
-    limit = model_config.text.max_position_embeddings
-    max_model_len = config.max_model_len or limit
-    if not 1 < max_model_len <= limit:
-        raise ValueError(f"max_model_len must be in 2..{limit} (max_position_embeddings), got {max_model_len}")
+    ctx = processor_context(config, model_dir, model_config)
     tokenizer = family.load_tokenizer(model_dir)
-    processor = family.make_processor(
-        ProcessorContext(
-            model_dir,
-            model_config,
-            tokenizer,
-            ProcessorLimits(max_model_len, dict(config.limit_mm_per_prompt)),
-            config.media_limits,
-            dict(config.mm_processor_kwargs),
-        )
-    )
+    processor = family.make_processor(ctx, tokenizer)
     eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)
     eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or []) | frozenset(
         family.extra_eos_token_ids(tokenizer)
     )
     return Frontend(
-        model_dir, model_config, family, tokenizer, processor, generation_config, eos_token_ids, max_model_len
+        model_dir,
+        model_config,
+        family,
+        tokenizer,
+        processor,
+        generation_config,
+        eos_token_ids,
+        ctx.limits.max_model_len,
     )

@@ -18,7 +18,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.frontend = load_frontend(config)
-        self.core = EngineCore(config, self.frontend)
+        self.core = EngineCore(config, self.frontend.engine_model())
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         # Shortcuts to the parts callers and tests look at.
         self.tokenizer = self.frontend.tokenizer

@@ -62,11 +62,11 @@ def _dec_hook(type_: type, obj: Any) -> Any:
     raise NotImplementedError(f"cannot decode {type_}")
 
 
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode(obj: Any) -> bytes:
-    return _encoder.encode(obj)
+    return encoder.encode(obj)
 
 
 def decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:

@@ -58,10 +58,27 @@ class RenderedChat:
     videos: list[VideoInput] = field(default_factory=list)
 
 
-class Processor(Protocol):
-    """A family's processor: prompt text (or token ids) plus media -> a ProcessedPrompt."""
+class ProcessingInfo(Protocol):
+    """What the engine needs of a family's processor, without a tokenizer (the engine process
+    loads none): the admitted limits, worst-case dummy inputs for memory planning (seed 003's
+    processing info and dummy builder), and prompts rebuilt from token ids and items processed
+    elsewhere (the API process, a token-handle prompt)."""
 
     media_limits: MediaLimits
+
+    def max_items_per_prompt(self) -> dict[str, int]: ...
+
+    def max_tokens_per_item(self) -> dict[str, int]: ...
+
+    def dummy_items(self, count: int, tokens_per_item: int, modality: str = "image") -> list[MultiModalItem]: ...
+
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """Spans checked against the items, positions rebuilt."""
+        ...
+
+
+class Processor(ProcessingInfo, Protocol):
+    """A family's processor: prompt text (or token ids) plus media -> a ProcessedPrompt."""
 
     def process(
         self,
@@ -70,19 +87,8 @@ class Processor(Protocol):
         videos: Sequence[VideoInput] = (),
     ) -> ProcessedPrompt: ...
 
-    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
-        """A prompt whose items were processed elsewhere: spans checked, positions rebuilt."""
-        ...
-
     def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
         """The images a prompt names itself, in order (a family whose prompts carry image paths
         inside their token ids; the server fetches them through its guard first); [] for the
         others. ValueError names a malformed span."""
         ...
-
-    # What the memory planner needs (seed 003's processing info and dummy inputs).
-    def max_items_per_prompt(self) -> dict[str, int]: ...
-
-    def max_tokens_per_item(self) -> dict[str, int]: ...
-
-    def dummy_items(self, count: int, tokens_per_item: int, modality: str = "image") -> list[MultiModalItem]: ...

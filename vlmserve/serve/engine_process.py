@@ -19,12 +19,11 @@ import msgspec
 import torch
 import zmq
 
+from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
-from vlmserve.engine.frontend import load_frontend
 from vlmserve.engine.request import RequestStatus
-from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.serve import shm, token_handles
 from vlmserve.serve.messages import (
     AbortRequests,
@@ -45,7 +44,7 @@ STATS_INTERVAL_S = 0.5
 class EngineLoop:
     def __init__(self, core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
         self.core = core
-        self.config = core.frontend.model_config
+        self.config = core.model_info.model_config
         self.pull, self.push = pull, push
         self.parent_pid = parent_pid
         self.running = True
@@ -88,48 +87,28 @@ class EngineLoop:
         try:
             prompt = self._prompt(message)
             self.core.check_fits(prompt)
-            for child_id, spec in zip(message.child_ids, message.params, strict=True):
-                params = SamplingParams(
-                    temperature=spec.temperature,
-                    top_p=spec.top_p,
-                    top_k=spec.top_k,
-                    max_tokens=spec.max_tokens,
-                    seed=spec.seed,
-                    stop_token_ids=list(spec.stop_token_ids),
-                    ignore_eos=spec.ignore_eos,
-                    logprobs=spec.logprobs,
-                )
+            for child_id, params in zip(message.child_ids, message.params, strict=True):
                 self.core.add_request(child_id, prompt, params)
         except (ValueError, shm.ShmError) as e:
             self.core.finish_requests(list(message.child_ids))  # any child already admitted
             self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))
 
     def _prompt(self, message: AddRequest) -> ProcessedPrompt:
-        """Pixels out of shared memory (segments unlinked whatever happens), positions rebuilt."""
-        ids = list(message.prompt_token_ids)
-        items: list[MultiModalItem] = []
+        """Pixels out of shared memory (segments unlinked whatever happens)."""
+        prompt = message.prompt
         try:
-            for spec in message.items:
-                pixels = shm.read_and_unlink(shm.Segment(spec.shm_name, spec.shape, spec.dtype))
-                items.append(
-                    MultiModalItem(
-                        spec.modality,
-                        spec.offset,
-                        spec.length,
-                        spec.grid,
-                        spec.content_hash,
-                        torch.from_numpy(pixels),
-                        spec.original_size,
-                        spec.resized_size,
-                        spec.second_per_grid_t,
-                    )
-                )
+            if len(message.segments) != len(prompt.mm_items):
+                raise ValueError(f"{len(prompt.mm_items)} items but {len(message.segments)} pixel segments")
+            for item, segment in zip(prompt.mm_items, message.segments, strict=True):
+                item.pixel_values = torch.from_numpy(shm.read_and_unlink(segment))
         finally:
-            for spec in message.items:
-                shm.unlink(spec.shm_name)
-        if not items:  # seed 004: handles may travel inside the token ids
-            ids, items = token_handles.decode(ids, self.config)
-        return self.core.frontend.processor.from_token_ids(ids, items)
+            for segment in message.segments:
+                shm.unlink(segment.name)
+        if not prompt.mm_items:  # seed 004: handles may travel inside the token ids
+            ids, items = token_handles.decode(prompt.prompt_token_ids, self.config)
+            if items:
+                return self.core.model_info.processing.from_token_ids(ids, items)
+        return prompt
 
     def _send_stats(self) -> None:
         sched = self.core.scheduler
@@ -157,12 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="ZMQ address to push outputs to")
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--eos-token-ids", default="[]", help="JSON list: the ids that end generation")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(**json.loads(args.config))
-    core = EngineCore(config, load_frontend(config))
+    # No tokenizer, no processor here: the API process sends token ids, positions and pixels.
+    core = EngineCore(config, load_engine_model(config, json.loads(args.eos_token_ids)))
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(args.input)

@@ -1,5 +1,7 @@
 """Messages between the API process and the engine process: msgspec structs over ZMQ in
-msgpack (decoded against these types only: a malformed message is refused, never unpickled)."""
+msgpack (decoded against these types only: a malformed message is refused, never unpickled).
+They wrap the engine's own types (ProcessedPrompt, SamplingParams, EngineCoreOutput): there are
+no mirror types to keep in step."""
 
 from __future__ import annotations
 
@@ -7,45 +9,23 @@ from typing import Union
 
 import msgspec
 
+from vlmserve.engine import serial
 from vlmserve.engine.contracts import EngineCoreOutput
-
-
-class ItemSpec(msgspec.Struct, frozen=True):
-    """One image or video of a request: where its placeholders are and where its pixels wait."""
-
-    offset: int
-    length: int
-    grid: tuple[int, int, int]
-    content_hash: str
-    shm_name: str
-    shape: tuple[int, ...]  # the pixel array's: [patches, patch_dim] (Qwen2-VL), [3, 448, 448] (Qwen-VL)
-    original_size: tuple[int, int]
-    resized_size: tuple[int, int]
-    dtype: str = "float32"
-    modality: str = "image"
-    second_per_grid_t: float | None = None  # videos: seconds per temporal patch
-
-
-class SamplingSpec(msgspec.Struct, frozen=True):
-    """What the engine needs of SamplingParams (stop strings stay in the API process)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int | None
-    seed: int | None
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None = None
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.serve import shm
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    """A processed prompt and one engine request per sample (n > 1: they share the prompt and its
+    images). The prompt's items travel without their pixels (empty tensors): each item's pixels
+    wait in the shared-memory segment of the same index, which the engine reads and unlinks."""
+
     request_id: str
-    # One engine request per sample (n > 1): they share the prompt and its images.
     child_ids: list[str]
-    params: list[SamplingSpec]
-    prompt_token_ids: list[int]
-    items: list[ItemSpec]
+    params: list[SamplingParams]  # one per child
+    prompt: ProcessedPrompt
+    segments: list[shm.Segment]
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -89,6 +69,7 @@ class Stats(msgspec.Struct, frozen=True, tag="stats"):
 
 FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats]  # noqa: UP007
 
-to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
-from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
-encoder = msgspec.msgpack.Encoder()
+# The engine's own types on the wire (tensors as vlmserve.engine.serial's extension), no pickle.
+to_engine_decoder = serial.decoder(ToEngine)
+from_engine_decoder = serial.decoder(FromEngine)
+encoder = serial.encoder

@@ -14,7 +14,7 @@ from vlmserve.families.qwen2_vl.config import (
 )
 from vlmserve.families.qwen2_vl.model import Qwen2VLForConditionalGeneration
 from vlmserve.families.qwen2_vl.model_2_5 import Qwen2_5_VLForConditionalGeneration
-from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
+from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessingInfo, Qwen2VLProcessor
 from vlmserve.families.qwen2_vl.tiny import PRESETS, write_tiny_qwen2_vl
 from vlmserve.family import ModelFamily, ProcessorContext
 from vlmserve.model_files import read_json
@@ -27,16 +27,22 @@ from vlmserve.tokenizer import Tokenizer
 PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
 
 
-def make_processor(ctx: ProcessorContext) -> Qwen2VLProcessor:
+def _image_config(ctx: ProcessorContext) -> ImageProcessorConfig:
     unknown = set(ctx.mm_processor_kwargs) - set(PROCESSOR_OPTIONS)
     if unknown:
         raise ValueError(
             f"mm_processor_kwargs: unknown keys {sorted(unknown)}; supported: {', '.join(PROCESSOR_OPTIONS)}"
         )
     preprocessor = read_json(ctx.model_dir / "preprocessor_config.json") | dict(ctx.mm_processor_kwargs)
-    return Qwen2VLProcessor(
-        ctx.model_config, ctx.tokenizer, ImageProcessorConfig.from_dict(preprocessor), ctx.limits, ctx.media_limits
-    )
+    return ImageProcessorConfig.from_dict(preprocessor)
+
+
+def make_processing_info(ctx: ProcessorContext) -> Qwen2VLProcessingInfo:
+    return Qwen2VLProcessingInfo(ctx.model_config, _image_config(ctx), ctx.limits, ctx.media_limits)
+
+
+def make_processor(ctx: ProcessorContext, tokenizer: Tokenizer) -> Qwen2VLProcessor:
+    return Qwen2VLProcessor(ctx.model_config, tokenizer, _image_config(ctx), ctx.limits, ctx.media_limits)
 
 
 def render_chat(
@@ -72,6 +78,7 @@ def _writer(arch: str) -> Any:
 
 _COMMON: dict[str, Any] = dict(
     load_tokenizer=Tokenizer,
+    make_processing_info=make_processing_info,
     make_processor=make_processor,
     render_chat=render_chat,
     extra_eos_token_ids=lambda tokenizer: [],

@@ -26,17 +26,19 @@ from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 from vlmserve.tokenizer import Tokenizer
 
 
-class Qwen2VLProcessor:
+class Qwen2VLProcessingInfo:
+    """What the engine needs of the processor, without a tokenizer (the engine process loads
+    none): the admitted limits, worst-case dummy inputs for memory planning (seed 003), and a
+    prompt rebuilt from token ids and items processed elsewhere."""
+
     def __init__(
         self,
         config: ModelConfig,
-        tokenizer: Tokenizer,
         image_config: ImageProcessorConfig,
         limits: ProcessorLimits,
         media_limits: MediaLimits = DEFAULT_LIMITS,
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.image_config = image_config
         self.limits = limits
         self.media_limits = media_limits
@@ -92,6 +94,37 @@ class Qwen2VLProcessor:
             )
             for k in range(count)
         ]
+
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """A prompt whose items were processed elsewhere (the API process, a token-handle prompt):
+        each item's span checked against its placeholder token, positions rebuilt."""
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        placeholder = {"image": self.config.image_token_id, "video": self.config.video_token_id}
+        for item in items:
+            token = placeholder.get(item.modality)
+            if token is None:
+                raise ValueError(f"unknown modality {item.modality!r}")
+            if item.end > len(token_ids) or any(t != token for t in token_ids[item.offset : item.end]):
+                raise ValueError(f"{item.modality} placeholders at {item.offset}..{item.end} do not match the prompt")
+        positions, delta = mrope_positions(len(token_ids), items, self.merge_size, self.config.vision.tokens_per_second)
+        return ProcessedPrompt(token_ids, items, positions, delta)
+
+
+class Qwen2VLProcessor(Qwen2VLProcessingInfo):
+    """Prompt text or token ids plus images and videos -> a ProcessedPrompt (module docstring)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        image_config: ImageProcessorConfig,
+        limits: ProcessorLimits,
+        media_limits: MediaLimits = DEFAULT_LIMITS,
+    ) -> None:
+        super().__init__(config, image_config, limits, media_limits)
+        self.tokenizer = tokenizer
 
     def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
         """Qwen2-VL prompts name no images inside their token ids."""
@@ -152,22 +185,6 @@ class Qwen2VLProcessor:
         return ProcessedPrompt(
             prompt_token_ids=expanded, mm_items=items, mrope_positions=positions, mrope_delta=delta, prompt=text
         )
-
-    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
-        """A prompt whose items were processed elsewhere (the API process, a token-handle prompt):
-        each item's span checked against its placeholder token, positions rebuilt."""
-        vocab = self.config.text.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        placeholder = {"image": self.config.image_token_id, "video": self.config.video_token_id}
-        for item in items:
-            token = placeholder.get(item.modality)
-            if token is None:
-                raise ValueError(f"unknown modality {item.modality!r}")
-            if item.end > len(token_ids) or any(t != token for t in token_ids[item.offset : item.end]):
-                raise ValueError(f"{item.modality} placeholders at {item.offset}..{item.end} do not match the prompt")
-        positions, delta = mrope_positions(len(token_ids), items, self.merge_size, self.config.vision.tokens_per_second)
-        return ProcessedPrompt(token_ids, items, positions, delta)
 
     def _check_count(
         self, modality: str, pad: str, inputs: Sequence[ImageInput] | Sequence[VideoInput], num_pads: int

@@ -8,25 +8,35 @@ from typing import Any
 from vlmserve.families.qwen_vl.chat_format import chat_prompt, stop_token_ids
 from vlmserve.families.qwen_vl.config import QWEN_VL_ARCHITECTURE, parse_qwen_vl_config, qwen_vl_config
 from vlmserve.families.qwen_vl.model import QWenLMHeadModel
-from vlmserve.families.qwen_vl.processor import QwenVLProcessor
+from vlmserve.families.qwen_vl.processor import QwenVLProcessingInfo, QwenVLProcessor
 from vlmserve.families.qwen_vl.tiny import write_tiny_qwen_vl
 from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.family import ModelFamily, ProcessorContext
 from vlmserve.processor.base import RenderedChat
 
 
-def make_processor(ctx: ProcessorContext) -> QwenVLProcessor:
+def make_processing_info(ctx: ProcessorContext) -> QwenVLProcessingInfo:
     # Every image is 448 x 448 (no resize options).
     if ctx.mm_processor_kwargs:
         raise ValueError("mm_processor_kwargs: Qwen-VL-Chat takes every image at 448 x 448; no options")
     qwen = qwen_vl_config(ctx.model_config)
-    return QwenVLProcessor(
-        ctx.tokenizer,
+    return QwenVLProcessingInfo(
         ctx.limits,
         ctx.media_limits,
         vocab_size=ctx.model_config.text.vocab_size,
+        image_start_id=qwen.visual.image_start_id,
         ntk_seq_length=qwen.seq_length if qwen.use_dynamic_ntk else None,
     )
+
+
+def make_processor(ctx: ProcessorContext, tokenizer: QwenVLTokenizer) -> QwenVLProcessor:
+    info = make_processing_info(ctx)
+    if tokenizer.img_start_id != info.image_start_id:
+        raise ValueError(
+            f"config.json's visual.image_start_id {info.image_start_id} is not the tokenizer's <img> "
+            f"({tokenizer.img_start_id})"
+        )
+    return QwenVLProcessor(tokenizer, ctx.limits, ctx.media_limits, info.vocab_size, info.ntk_seq_length)
 
 
 def render_chat(
@@ -69,6 +79,7 @@ QWEN_VL = ModelFamily(
     parse_config=parse_qwen_vl_config,
     model_class=QWenLMHeadModel,
     load_tokenizer=QwenVLTokenizer,
+    make_processing_info=make_processing_info,
     make_processor=make_processor,
     render_chat=render_chat,
     # Its chat() stops on <|im_end|> or <|im_start|> (stop words) as well as <|endoftext|>.

@@ -97,25 +97,27 @@ def preprocess_image(image: Image.Image, size: int = IMAGE_SIZE) -> tuple[torch.
     return torch.from_numpy(np.ascontiguousarray(chw)), digest
 
 
-class QwenVLProcessor:
-    """Same interface as Qwen2VLProcessor. `vocab_size` bounds the token ids a prompt may hold
-    (the model's embedding rows; the tokenizer's 151860 ids by default)."""
+class QwenVLProcessingInfo:
+    """What the engine needs of the processor, without a tokenizer (the engine process loads
+    none): limits, dummy images for memory planning, and a prompt rebuilt from token ids and
+    images processed elsewhere. `vocab_size` bounds the token ids a prompt may hold (the model's
+    embedding rows); `image_start_id` is <img> (config.json's visual.image_start_id)."""
 
     def __init__(
         self,
-        tokenizer: QwenVLTokenizer,
         limits: ProcessorLimits,
-        media_limits: MediaLimits = DEFAULT_LIMITS,
-        vocab_size: int | None = None,
+        media_limits: MediaLimits,
+        vocab_size: int,
+        image_start_id: int,
         ntk_seq_length: int | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
         # config.json's seq_length when use_dynamic_ntk: past it a prompt's KV depends on its
         # length (the rotary base), so such prompts get a cache salt naming the base.
         self.ntk_seq_length = ntk_seq_length
         self.limits = limits
         self.media_limits = media_limits
-        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.vocab_size = vocab_size
+        self.image_start_id = image_start_id
 
     # -- what the memory planner needs ----------------------------------------------------------
 
@@ -144,6 +146,38 @@ class QwenVLProcessor:
             )
             for k in range(count)
         ]
+
+    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
+        """A prompt whose images were processed elsewhere (the API process): each item must fill
+        one <img> span; positions rebuilt."""
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        check_image_items(token_ids, items, self.image_start_id)
+        pos, delta = positions(len(token_ids), items)
+        return ProcessedPrompt(token_ids, items, pos, delta, cache_salt=self._cache_salt(len(token_ids)))
+
+    def _cache_salt(self, num_tokens: int) -> str | None:
+        if self.ntk_seq_length is None:
+            return None
+        alpha = ntk_alpha(num_tokens, self.ntk_seq_length)
+        return None if alpha == 1 else f"ntk-alpha-{alpha}"
+
+
+class QwenVLProcessor(QwenVLProcessingInfo):
+    """Same interface as Qwen2VLProcessor; `vocab_size` defaults to the tokenizer's 151860 ids."""
+
+    def __init__(
+        self,
+        tokenizer: QwenVLTokenizer,
+        limits: ProcessorLimits,
+        media_limits: MediaLimits = DEFAULT_LIMITS,
+        vocab_size: int | None = None,
+        ntk_seq_length: int | None = None,
+    ) -> None:
+        super().__init__(
+            limits, media_limits, vocab_size or tokenizer.vocab_size, tokenizer.img_start_id, ntk_seq_length
+        )
+        self.tokenizer = tokenizer
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -214,21 +248,6 @@ class QwenVLProcessor:
             prompt=text,
             cache_salt=self._cache_salt(num_tokens),
         )
-
-    def from_token_ids(self, token_ids: list[int], items: list[MultiModalItem]) -> ProcessedPrompt:
-        """A prompt whose images were processed elsewhere (the API process): each item must fill
-        one <img> span; positions rebuilt."""
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
-        check_image_items(token_ids, items, self.tokenizer.img_start_id)
-        pos, delta = positions(len(token_ids), items)
-        return ProcessedPrompt(token_ids, items, pos, delta, cache_salt=self._cache_salt(len(token_ids)))
-
-    def _cache_salt(self, num_tokens: int) -> str | None:
-        if self.ntk_seq_length is None:
-            return None
-        alpha = ntk_alpha(num_tokens, self.ntk_seq_length)
-        return None if alpha == 1 else f"ntk-alpha-{alpha}"
 
     def _image_inputs(self, spans: list[tuple[int, str]], images: Sequence[ImageInput]) -> list[ImageInput]:
         limit = self.limits.limit("image")
