@@ -193,7 +193,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        ctx.metrics.update_engine(ctx.client.stats, ctx.client.restarts)
+        ctx.metrics.update_engine(ctx.client.stats, ctx.client.engine.restarts)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

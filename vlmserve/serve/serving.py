@@ -13,7 +13,8 @@ from vlmserve.grounding import convention_for_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.engine_client import EngineClient, EngineDeadError, RequestRefused
+from vlmserve.serve.engine_client import EngineClient, RequestRefused
+from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
 from vlmserve.serve.protocol import APIError
