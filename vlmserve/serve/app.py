@@ -24,8 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlmserve.serve.prompts import PromptBuilder
 from vlmserve.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from vlmserve.serve.serving import Serving, ServingContext
+from vlmserve.serve.serving import ServingContext
+from vlmserve.serve.serving_chat import ChatServing
+from vlmserve.serve.serving_completion import CompletionServing
 
 logger = logging.getLogger("vlmserve.api")
 OPEN_PATHS = ("/health", "/metrics")
@@ -105,7 +108,7 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
             return await app(scope, receive, send)
         if state.draining:
             return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
-        if not state.serving.ctx.client.healthy:
+        if not state.client.healthy:
             return await _send_error(send, APIError(503, "the engine is not running", code="engine_unavailable"))
         if state.in_flight >= state.max_queue:
             return await _send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
@@ -139,8 +142,10 @@ def build_app(
 ) -> tuple[FastAPI, ASGIApp]:
     """The FastAPI app and the ASGI app to serve (the app behind its middleware)."""
     app = FastAPI(title="vlmserve", docs_url=None, redoc_url=None)
-    serving = Serving(ctx)
-    app.state.serving = serving
+    prompt_builder = PromptBuilder(ctx)
+    chat_serving = ChatServing(ctx)
+    completion_serving = CompletionServing(ctx)
+    app.state.client = ctx.client
     app.state.draining = False
     app.state.in_flight = 0
     app.state.max_queue = max_queue
@@ -188,7 +193,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        ctx.metrics.update_engine(ctx.client.stats, ctx.client.restarts)
+        ctx.metrics.update_engine(ctx.client.stats, ctx.client.engine.restarts)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -207,17 +212,17 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt, params = await _until_disconnected(request, serving.chat(body))
+        prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
-            return StreamingResponse(serving.chat_stream(body, prompt, params), media_type="text/event-stream")
-        return JSONResponse(await _until_disconnected(request, serving.chat_response(body, prompt, params)))
+            return StreamingResponse(chat_serving.stream(body, prompt, params), media_type="text/event-stream")
+        return JSONResponse(await _until_disconnected(request, chat_serving.response(prompt, params)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompts, params = await _until_disconnected(request, serving.completion(body))
+        prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(serving.completion_stream(prompts, params), media_type="text/event-stream")
-        return JSONResponse(await _until_disconnected(request, serving.completion_response(prompts, params)))
+            return StreamingResponse(completion_serving.stream(prompts, params), media_type="text/event-stream")
+        return JSONResponse(await _until_disconnected(request, completion_serving.response(prompts, params)))
 
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]
     asgi = api_key_auth(asgi, api_key)

@@ -1,0 +1,128 @@
+"""The engine process as a process: started on the API process's socket addresses with the
+engine config, known ready when its Ready message arrives, watched for death, started again
+after a death up to `max_restarts` times, and stopped at shutdown (killed if it does not exit
+in time). What travels on the sockets, and the requests in flight, are the client's business."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from vlmserve.engine.config import EngineConfig
+
+logger = logging.getLogger("vlmserve.api")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is not running (it died, or is still starting)."""
+
+
+def _engine_config_json(config: EngineConfig) -> str:
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "media_limits"}
+    return json.dumps(fields)
+
+
+class EngineSupervisor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        *,
+        eos_token_ids: list[int],
+        threads: int = 0,
+        max_restarts: int = 3,
+    ) -> None:
+        self.config = config
+        # The engine loads no tokenizer: the ids that end generation come from here.
+        self.eos_token_ids = eos_token_ids
+        self.input_address = input_address  # the engine pulls requests here
+        self.output_address = output_address  # and pushes its outputs here
+        self.threads = threads
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.ready = asyncio.Event()
+        self.memory_plan = ""
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def spawn(self) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "vlmserve.serve.engine_process",
+            "--config",
+            _engine_config_json(self.config),
+            "--input",
+            self.input_address,
+            "--output",
+            self.output_address,
+            "--parent",
+            str(os.getpid()),
+            "--threads",
+            str(self.threads),
+            "--eos-token-ids",
+            json.dumps(self.eos_token_ids),
+        ]
+        self.ready.clear()
+        self._process = subprocess.Popen(command)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except TimeoutError:
+            raise EngineDeadError(f"the engine process did not become ready within {timeout_s:.0f}s") from None
+
+    def mark_ready(self, memory_plan: str) -> None:
+        """The engine said it is ready (its Ready message)."""
+        self.memory_plan = memory_plan
+        self.ready.set()
+        logger.info("engine ready (pid %s): %s", self.pid, memory_plan)
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready.is_set() and self.running
+
+    @property
+    def exited(self) -> bool:
+        """The engine process was started and has exited since (not yet restarted)."""
+        return self._process is not None and self._process.poll() is not None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def died(self) -> None:
+        """Note an exit seen by `exited`: logged, and not ready until a restart is."""
+        code = self._process.returncode if self._process else None
+        logger.error("the engine process exited (code %s)", code)
+        self.ready.clear()
+
+    def restart(self) -> bool:
+        """Start the engine again after a death; False (and no process from now on) once it has
+        died more than `max_restarts` times."""
+        if self.restarts >= self.max_restarts:
+            self._process = None
+            logger.error("the engine died %d times; not restarting it", self.restarts + 1)
+            return False
+        self.restarts += 1
+        logger.warning("restarting the engine (restart %d of %d)", self.restarts, self.max_restarts)
+        self.spawn()
+        return True
+
+    async def join(self, timeout_s: float) -> None:
+        """Wait for the engine process to exit (it was asked to); killed after `timeout_s`."""
+        if self._process is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._process.wait), timeout_s)
+        except TimeoutError:
+            self._process.kill()

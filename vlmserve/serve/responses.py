@@ -1,0 +1,94 @@
+"""The pieces of an OpenAI response both endpoints build alike: token usage, the `vlmserve`
+extension field, the two logprob formats (chat's per-token entries with their top alternatives,
+legacy completions' parallel lists) and server-sent-event framing. Plain functions of finished
+data: no engine, no request state."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.outputs import CompletionOutput, RequestOutput
+from vlmserve.tokenizer import AnyTokenizer
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt: ProcessedPrompt, output: RequestOutput) -> dict[str, Any]:
+    completion = sum(len(o.token_ids) for o in output.outputs)
+    return {
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(output.prompt_token_ids) + completion,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        # Extension: each image's placeholder tokens and the size the model saw it at.
+        "multimodal_tokens": [
+            {
+                "modality": item.modality,
+                "tokens": item.length,
+                "original_size": list(item.original_size),
+                "resized_size": list(item.resized_size),
+            }
+            for item in prompt.mm_items
+        ],
+    }
+
+
+def extension(
+    prompts: list[ProcessedPrompt], grounding_convention: str | None, with_prompt_index: bool = False
+) -> dict[str, Any]:
+    """The `vlmserve` extension field of a response (or of a stream's first chunk): each image's
+    size as sent and as the model saw it, and the convention of the model's grounding boxes,
+    so a client can map boxes to its own pixels (vlmserve.grounding does it in Python)."""
+    items = []
+    for i, prompt in enumerate(prompts):
+        for item in prompt.mm_items:
+            entry = {
+                "modality": item.modality,
+                "original_size": list(item.original_size),
+                "resized_size": list(item.resized_size),
+            }
+            items.append({"prompt_index": i} | entry if with_prompt_index else entry)
+    return {"grounding_convention": grounding_convention, "mm_items": items}
+
+
+def chat_logprobs(choice: CompletionOutput, start: int, k: int, tokenizer: AnyTokenizer) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs for tokens [start:]: each token with its `k` most likely
+    alternatives (the entries ranked 1..k; the sampled token is among them when it ranks)."""
+    if choice.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:], strict=True):
+        chosen = entry[token_id]
+        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) <= k))
+        content.append(
+            {
+                "token": chosen.decoded_token,
+                "logprob": chosen.logprob,
+                "bytes": list(tokenizer.token_bytes(token_id)),
+                "top_logprobs": [
+                    {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(tokenizer.token_bytes(tid))}
+                    for _, tid, lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
+    """Legacy completions' logprobs: the sampled tokens, their logprobs, and each position's
+    alternatives as a {token: logprob} map."""
+    if choice.logprobs is None:
+        return None
+    tokens, token_logprobs, top = [], [], []
+    for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=True):
+        tokens.append(entry[token_id].decoded_token)
+        token_logprobs.append(entry[token_id].logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}

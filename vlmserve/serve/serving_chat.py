@@ -1,0 +1,84 @@
+"""POST /v1/chat/completions once its prompt is built: one engine request (its n samples as the
+choices), answered as a `chat.completion`, or streamed as `chat.completion.chunk` events (a role
+chunk per choice first, the `vlmserve` extension on the first; then text and logprob deltas;
+usage last when `stream_options.include_usage` asks for it; an engine error as an error event)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.serve.protocol import APIError, ChatCompletionRequest
+from vlmserve.serve.responses import SSE_DONE, chat_logprobs, extension, sse, usage
+from vlmserve.serve.serving import EngineServing
+
+
+class ChatServing(EngineServing):
+    async def response(self, prompt: ProcessedPrompt, params: SamplingParams) -> dict[str, Any]:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        final = await self._last(request_id, prompt, params)
+        tokenizer = self.ctx.frontend.tokenizer
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, 0, params.logprobs or 0, tokenizer),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in final.outputs
+            ],
+            "usage": usage(prompt, final),
+            "vlmserve": extension([prompt], self.grounding_convention),
+        }
+
+    async def stream(
+        self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams
+    ) -> AsyncIterator[str]:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.ctx.model_name}
+        tokenizer = self.ctx.frontend.tokenizer
+        sent_text = [0] * params.n
+        sent_tokens = [0] * params.n
+        for i in range(params.n):
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            first = {"vlmserve": extension([prompt], self.grounding_convention)} if i == 0 else {}
+            yield sse(base | {"choices": [role]} | first)
+        final = None
+        try:
+            async for output in self._outputs(request_id, prompt, params):
+                final = output
+                choices = []
+                for c in output.outputs:
+                    delta = c.text[sent_text[c.index] :]
+                    if not delta and c.finish_reason is None:
+                        continue
+                    logprobs = chat_logprobs(c, sent_tokens[c.index], params.logprobs or 0, tokenizer)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    choices.append(
+                        {
+                            "index": c.index,
+                            "delta": {"content": delta} if delta else {},
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                        }
+                    )
+                if choices:
+                    yield sse(base | {"choices": choices})
+        except APIError as e:
+            yield sse(e.body())
+            yield SSE_DONE
+            return
+        if final is not None and body.stream_options and body.stream_options.include_usage:
+            yield sse(base | {"choices": [], "usage": usage(prompt, final)})
+        yield SSE_DONE

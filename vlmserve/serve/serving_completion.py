@@ -1,0 +1,111 @@
+"""POST /v1/completions once its prompts are built: one engine request per prompt, run side by
+side, choice `i * n + k` being prompt i's sample k. Answered as one `text_completion` (usage
+summed over the prompts, legacy logprobs), or streamed as text deltas in the order the engine
+produces them (the `vlmserve` extension on the first chunk; an engine error as an error event)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.serve.protocol import APIError
+from vlmserve.serve.responses import SSE_DONE, completion_logprobs, extension, sse, usage
+from vlmserve.serve.serving import EngineServing
+
+
+class CompletionServing(EngineServing):
+    async def response(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> dict[str, Any]:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        finals = await asyncio.gather(*(self._last(f"{request_id}-{i}", p, params) for i, p in enumerate(prompts)))
+        choices = []
+        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            for c in final.outputs:
+                choices.append(
+                    {
+                        "index": i * params.n + c.index,
+                        "text": c.text,
+                        "logprobs": completion_logprobs(c),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+            part = usage(prompt, final)
+            for key in total:
+                total[key] += part[key]
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": total,
+            "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True),
+        }
+
+    async def stream(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> AsyncIterator[str]:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        base = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+        }
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, prompt: ProcessedPrompt) -> None:
+            try:
+                async for output in self._outputs(f"{request_id}-{i}", prompt, params):
+                    queue.put_nowait((i, output))
+            except BaseException as e:
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        sent: dict[tuple[int, int], int] = {}
+        done = 0
+        # The extension rides on the first chunk.
+        first_extension = {"vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True)}
+        try:
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, APIError):
+                    yield sse(item.body())
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                i, output = item
+                for c in output.outputs:
+                    key = (i, c.index)
+                    delta = c.text[sent.get(key, 0) :]
+                    if delta or c.finish_reason is not None:
+                        sent[key] = len(c.text)
+                        first, first_extension = first_extension, {}
+                        yield sse(
+                            base
+                            | first
+                            | {
+                                "choices": [
+                                    {
+                                        "index": i * params.n + c.index,
+                                        "text": delta,
+                                        "logprobs": None,
+                                        "finish_reason": c.finish_reason,
+                                    }
+                                ]
+                            }
+                        )
+            yield SSE_DONE
+        finally:
+            for task in tasks:
+                task.cancel()
