@@ -158,6 +158,46 @@ def test_an_image_path_in_the_prompt_is_loaded_and_answered_as_chat_and_the_refe
     assert max(abs(first[t].logprob - moved[t].logprob) for t in first.keys() & moved.keys()) > 0.01
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_prompts_in_different_ntk_bases_share_no_cached_blocks_and_prompts_in_one_base_do(
+    llm: LLM, reference: Reference, tiny_qwen_vl_dir: Path
+) -> None:
+    """Qwen-VL-Chat rotates a prompt's keys with a base its length picks (dynamic NTK: one base up
+    to seq_length tokens, another up to twice that, ...). Cached KV of a prompt in one base is
+    wrong for a prompt in another, even where their tokens agree; in the same base it is right."""
+    seq_length = json.loads((tiny_qwen_vl_dir / "config.json").read_text())["seq_length"]
+    shared = (
+        f"{SYSTEM}<|im_start|>user\nLighthouses on this coast, from north to south: Longstone, Souter, "
+        "Flamborough, Spurn, Cromer, Lowestoft and Orfordness. "
+    )
+    questions = [
+        "Which is oldest?",
+        "Which of them still has a keeper living on site, which was the last to be automated, and which can "
+        "visitors climb today?",
+        "Sort them by the height of the tower, give the year each light was first lit, and say which ones are now "
+        "museums.",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+    llm.reset_prefix_cache()
+    short, long, other_long = (
+        llm.generate(f"{shared}{q}<|im_end|>\n<|im_start|>assistant\n", params)[0] for q in questions
+    )
+    lengths = [len(o.prompt_token_ids) for o in (short, long, other_long)]
+    assert lengths[0] <= seq_length < lengths[1] <= lengths[2] <= 2 * seq_length, lengths
+    block = llm.llm_engine.kv.block_size
+    assert common_prefix(short.prompt_token_ids, long.prompt_token_ids) >= 3 * block  # 3 full blocks alike
+    assert short.num_cached_tokens == 0
+    assert long.num_cached_tokens == 0  # short's blocks were computed in the other base
+    shared_blocks = common_prefix(long.prompt_token_ids, other_long.prompt_token_ids) // block
+    assert shared_blocks >= 3 and other_long.num_cached_tokens == shared_blocks * block
+    # Each long one answers as the reference does with the prompt alone.
+    for output in (long, other_long):
+        assert_matches_reference(output, reference(output.prompt_token_ids, None))
+
+
 def test_bad_images_are_named_and_the_llm_goes_on(llm: LLM, pictures: list[str]) -> None:
     bad = [{"role": "user", "content": [{"type": "image", "image": "/no/such.png"}, {"type": "text", "text": "?"}]}]
     with pytest.raises(ValueError, match=r"no/such\.png"):
