@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from tests.conftest import random_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.engine.memory import GiB, PeakMeter, one_block_per_stack, plan_kv_cache
+from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.families.qwen2_vl.model import Qwen2VLForConditionalGeneration
 from vlmserve.multimodal.media import MediaError
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -45,62 +55,172 @@ def test_one_block_per_stack_restores_the_model() -> None:
     assert model[0] is stack and len(stack) == 3
 
 
-def test_meter_sees_a_large_temporary() -> None:
+def test_meter_reset_forgets_an_earlier_peak_and_sees_a_later_temporary() -> None:
     meter = PeakMeter(torch.device("cpu"))
-    before = meter.current()
+    earlier = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, touched, then freed
+    del earlier
     meter.reset()
+    before = meter.current()
+    # A reset that does nothing would report the 256 MiB (or any larger lifetime peak) here.
+    assert meter.peak() - before < 128 << 20
     x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
     del x
     assert meter.peak() - before >= 60 << 20
 
 
+@dataclass
+class ProfileRecord:
+    """What building an engine measured: each value profile_run returned, and each vision
+    encoder pass as (modality, length, grid_thw, rows of encoder output) per item."""
+
+    activations: list[int] = field(default_factory=list)
+    encoded: list[list[tuple[str, int, tuple[int, int, int], int]]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def recording_profile() -> Iterator[ProfileRecord]:
+    record = ProfileRecord()
+    profile_run, embed_multimodal = ModelRunner.profile_run, Qwen2VLForConditionalGeneration.embed_multimodal
+
+    def recorded_profile_run(self: ModelRunner, *args: Any, **kwargs: Any) -> int:
+        record.activations.append(profile_run(self, *args, **kwargs))
+        return record.activations[-1]
+
+    def recorded_embed(self: Qwen2VLForConditionalGeneration, items: list[Any]) -> list[torch.Tensor]:
+        out = embed_multimodal(self, items)
+        record.encoded.append([(i.modality, i.length, i.grid_thw, o.shape[0]) for i, o in zip(items, out, strict=True)])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "profile_run", recorded_profile_run)
+        mp.setattr(Qwen2VLForConditionalGeneration, "embed_multimodal", recorded_embed)
+        yield record
+
+
+def float32_weight_bytes(model_dir: Path) -> int:
+    """Every tensor the checkpoint holds (tied lm_head: stored once), at 4 bytes a value."""
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+    return 4 * total
+
+
 @pytest.fixture(scope="module")
-def planned(tiny_dir: Path) -> LLM:
-    return LLM(
-        tiny_dir,
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=4,
-        max_num_batched_tokens=1024,
-        memory_budget_gib=2.0,
-        mm_processor_kwargs={"max_pixels": 512 * 28 * 28},
-    )
+def planned_profile(tiny_dir: Path) -> tuple[LLM, ProfileRecord]:
+    with recording_profile() as record:
+        llm = LLM(
+            tiny_dir,
+            dtype="float32",
+            max_model_len=2048,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            memory_budget_gib=2.0,
+            mm_processor_kwargs={"max_pixels": 512 * 28 * 28},
+        )
+    return llm, record
 
 
-def test_kv_cache_is_sized_from_what_the_budget_leaves(planned: LLM) -> None:
-    plan = planned.llm_engine.memory_plan
-    assert plan.profiled and plan.activation_bytes > 0
+@pytest.fixture(scope="module")
+def planned(planned_profile: tuple[LLM, ProfileRecord]) -> LLM:
+    return planned_profile[0]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The tiny checkpoint's sizes, from its files: float32 weights, bytes of one 16-token KV
+    block (K and V, every layer), bytes of one encoder output token."""
+
+    weights: int
+    block: int
+    encoder_token: int
+
+
+@pytest.fixture(scope="module")
+def sizes(tiny_dir: Path) -> Sizes:
+    text = json.loads((tiny_dir / "config.json").read_text())
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    block = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4 * 16
+    return Sizes(float32_weight_bytes(tiny_dir), block, text["hidden_size"] * 4)
+
+
+# The planned engine: a video may fill a prompt (max_model_len - 1 = 2047 tokens), more than the
+# 512-token image max_pixels allows and than the 1024-token step budget; so a step may encode
+# 2047 tokens, and the encoder cache holds 2047 tokens.
+LARGEST_VIDEO = 2048 - 1
+
+
+def test_kv_cache_is_sized_from_what_the_budget_leaves(
+    planned_profile: tuple[LLM, ProfileRecord], sizes: Sizes
+) -> None:
+    llm, record = planned_profile
+    plan = llm.llm_engine.memory_plan
+    assert plan.profiled and record.activations == [plan.activation_bytes] and plan.activation_bytes > 0
     assert plan.budget_bytes == 2 * GiB
-    # 2 GiB is far more than 4 sequences of 2048 tokens need: capped at that.
-    assert plan.capped and plan.num_blocks == 4 * 2048 // 16
-    assert planned.llm_engine.kv.pool.num_blocks == plan.num_blocks
-    # The worst case the plan measured includes the largest admitted image (512 tokens). A video
-    # may fill a prompt (2047 tokens): engine/core.py plans with the image entry alone so far.
-    assert planned.llm_engine.processor.max_tokens_per_item() == {"image": 512, "video": 2047}
+    assert plan.weights_bytes == sizes.weights
+    assert plan.encoder_cache_bytes == LARGEST_VIDEO * sizes.encoder_token
+    assert plan.block_bytes == sizes.block
+    fit = (2 * GiB - sizes.weights - plan.activation_bytes - LARGEST_VIDEO * sizes.encoder_token) // sizes.block
+    # 2 GiB leaves far more than 4 sequences of 2048 tokens need: capped at that.
+    cap = 4 * 2048 // 16
+    assert fit > cap and plan.capped and plan.num_blocks == cap
+    assert llm.llm_engine.kv.pool.num_blocks == plan.num_blocks
+
+
+def test_kv_blocks_are_what_a_tight_budget_leaves_after_the_measured_step(
+    planned_profile: tuple[LLM, ProfileRecord], sizes: Sizes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Re-plan the same engine with its measured step replayed and a budget that leaves room for
+    # 300 blocks and a bit (< 512, the cap): what the KV cache gets is the plan's arithmetic.
+    llm, record = planned_profile
+    core = llm.llm_engine.core
+    measured = record.activations[0]
+    monkeypatch.setattr(core.runner, "profile_run", lambda *args, **kwargs: measured)
+    encoder_cache = LARGEST_VIDEO * sizes.encoder_token
+    budget = sizes.weights + measured + encoder_cache + 300 * sizes.block + sizes.block - 1
+    monkeypatch.setattr(core, "config", dataclasses.replace(core.config, memory_budget_bytes=budget))
+    plan = core._plan_memory(core.scheduler.config, "video", LARGEST_VIDEO)
+    assert (plan.num_blocks, plan.capped, plan.activation_bytes) == (300, False, measured)
+
+
+def test_memory_plan_profiles_the_largest_admitted_video(planned_profile: tuple[LLM, ProfileRecord]) -> None:
+    llm, record = planned_profile
+    assert llm.llm_engine.processor.max_tokens_per_item() == {"image": 512, "video": LARGEST_VIDEO}
+    assert len(record.encoded) == 1  # one vision pass: the profile's
+    items = record.encoded[0]
+    assert {modality for modality, *_ in items} == {"video"}
+    # A step may encode a whole prompt-long video: the profile encodes that many video tokens,
+    # in frames as large as a video frame may be (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM, 768
+    # merged tokens: the largest segment of the vision tower's attention).
+    assert sum(length for _, length, _, _ in items) == LARGEST_VIDEO
+    assert max(h * w // 4 for _, _, (_, h, w), _ in items) == 768
+    assert all(length == t * h * w // 4 == rows for _, length, (t, h, w), rows in items)
 
 
 def test_activation_peak_grows_with_the_token_budget(tiny_dir: Path) -> None:
-    small = LLM(
-        tiny_dir,
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=2,
-        max_num_batched_tokens=256,
-        mm_processor_kwargs={"max_pixels": 64 * 28 * 28},
-        # No video: a prompt-long video's encoding would be the peak of both, whatever the budget.
-        limit_mm_per_prompt={"image": 8, "video": 0},
-    ).llm_engine.memory_plan
-    large = LLM(
-        tiny_dir,
-        dtype="float32",
-        max_model_len=2048,
-        max_num_seqs=2,
-        max_num_batched_tokens=2048,
-        mm_processor_kwargs={"max_pixels": 64 * 28 * 28},
-        limit_mm_per_prompt={"image": 8, "video": 0},
-    ).llm_engine.memory_plan
+    plans, records = [], []
+    for step_tokens in (256, 2048):
+        with recording_profile() as record:
+            llm = LLM(
+                tiny_dir,
+                dtype="float32",
+                max_model_len=2048,
+                max_num_seqs=2,
+                max_num_batched_tokens=step_tokens,
+                mm_processor_kwargs={"max_pixels": 64 * 28 * 28},
+                # No video: a prompt-long video's encoding would be the peak of both, whatever the budget.
+                limit_mm_per_prompt={"image": 8, "video": 0},
+            )
+        plans.append(llm.llm_engine.memory_plan)
+        records.append(record)
+    small, large = plans
     # 8x the tokens: the 151936-wide logits of the sampled rows dominate neither; the MLP does.
     assert large.activation_bytes > small.activation_bytes
+    # Images are the largest item now (64 tokens at max_pixels): the profile encodes a step's
+    # worth of them, 256 and 2048 tokens (requests together may hold more than 8).
+    for record, step_tokens in zip(records, (256, 2048), strict=True):
+        (items,) = record.encoded
+        assert [(modality, length) for modality, length, _, _ in items] == [("image", 64)] * (step_tokens // 64)
 
 
 def test_too_small_a_budget_is_refused_with_numbers(tiny_dir: Path) -> None:

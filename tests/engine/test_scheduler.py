@@ -218,3 +218,95 @@ def test_an_empty_request_is_refused() -> None:
 
     with pytest.raises(ValueError, match="the prompt is empty"):
         make_scheduler().add_request(make_request("empty", 0))
+
+
+def test_the_newest_request_is_preempted_mid_image_and_its_encoder_output_stays_cached() -> None:
+    # 6 blocks of 4 tokens, 19 tokens a step. Step 1 admits a (6 text tokens), m (8 tokens, an
+    # image at 1..4) and b, the newest (14 tokens, a video at 2..9), whose first chunk (5 tokens)
+    # ends inside its video: every block is taken. In step 2, m's 9th token needs a block: b is
+    # preempted, not a (the oldest) nor m (the request asking).
+    s = make_scheduler(num_blocks=6, block_size=4, budget=19, prefix_caching=False)
+    a = make_request("a", 6, max_tokens=3)
+    m = make_request("m", 8, images=[(1, 4, "m-img")], max_tokens=6, first_token=100)
+    b = make_request("b", 14, images=[(2, 8, "b-vid")], max_tokens=3, first_token=200)
+    b.mm_items[0].modality = "video"  # the scheduler handles both alike
+    for r in (a, m, b):
+        s.add_request(r)
+    out = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 6), ("m", 8), ("b", 5)]
+    assert encoder_inputs(out) == [("m", 0), ("b", 0)]
+    assert s.kv.pool.num_free == 0 and s.encoder_cache.users["b-vid"] == {"b"}  # b is inside its video
+
+    out = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("m", 1)]
+    assert (b.status, b.num_preemptions, b.num_computed_tokens) == (RequestStatus.PREEMPTED, 1, 0)
+    assert (a.num_preemptions, m.num_preemptions, s.num_preemptions) == (0, 0, 1)
+    assert [r.request_id for r in s.running] == ["a", "m"] and list(s.waiting) == [b]
+    assert "b" not in s.kv.block_ids
+    # b no longer holds its video's encoder output, but the output stays cached for its return.
+    assert s.encoder_cache.users["b-vid"] == set() and "b-vid" in s.encoder_cache.unused
+    assert out.free_encoder_hashes == []
+
+    # a finishes at step 3 and m at step 6; b then comes back, computes its whole prompt in one
+    # chunk and finds its video in the encoder cache: no second encode.
+    hits = s.encoder_cache.hits
+    resumed = []
+    for _ in range(10):
+        out = run_step(s)
+        resumed += [(n, encoder_inputs(out)) for rid, n in out.num_scheduled_tokens.items() if rid == "b"]
+        if not s.has_unfinished():
+            break
+    assert resumed[0] == (14, [])
+    assert s.encoder_cache.hits == hits + 1 and s.encoder_cache.misses == 2
+    assert b.output_token_ids == [7, 7, 7] and s.num_preemptions == 1
+
+
+def test_a_request_preempted_mid_image_re_encodes_it_on_resume_after_eviction() -> None:
+    # Encoder cache of 10 tokens, at most 8 encoded per step (one image past the first), 12
+    # tokens a step, 8 blocks of 4. a (7 text tokens) runs first; then r, older than b, holds a
+    # 2-token image Z at 2..3 and an 8-token image Y at 6..13; b holds a 6-token image X at 3..8.
+    s = make_scheduler(num_blocks=8, block_size=4, budget=12, encoder_budget=8, encoder_cache=10)
+    a = make_request("a", 7, max_tokens=6)
+    s.add_request(a)
+    run_step(s)
+    r = make_request("r", 15, images=[(2, 2, "Z"), (6, 8, "Y")], max_tokens=2, first_token=100)
+    b = make_request("b", 14, images=[(3, 6, "X")], max_tokens=3, first_token=200)
+    s.add_request(r)
+    s.add_request(b)
+
+    # Step 2: Z + Y exceed the step's encoder budget, so r's chunk stops before Y; b's first
+    # chunk (tokens 0..4) ends inside X.
+    out = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("r", 6), ("b", 5)]
+    assert [(rid, s.requests[rid].mm_items[i].content_hash) for rid, i in encoder_inputs(out)] == [
+        ("r", "Z"),
+        ("b", "X"),
+    ]
+    assert s.kv.pool.num_free == 2
+
+    # Step 3: r cannot take Y while b holds X (6 + 8 > 10); a takes a third block, and b's next
+    # chunk (tokens 5..13) needs two more with one left: b, the newest, is preempted and lets go
+    # of X.
+    out = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1)]
+    assert b.status == RequestStatus.PREEMPTED and (a.num_preemptions, r.num_preemptions) == (0, 0)
+    assert s.encoder_cache.users["X"] == set()
+
+    # Step 4: r encodes Y, which evicts Z and X.
+    out = run_step(s)
+    assert [(rid, s.requests[rid].mm_items[i].content_hash) for rid, i in encoder_inputs(out)] == [("r", "Y")]
+    assert out.free_encoder_hashes == ["Z", "X"] and not s.encoder_cache.has("X")
+
+    # b comes back once r is done (a still decoding). Its first block (tokens 0..3, X's first placeholder
+    # included) is still in the prefix cache, so it resumes at token 4, inside X: X must be
+    # encoded again although the chunk does not hold X's first placeholder.
+    for _ in range(10):
+        out = run_step(s)
+        if "b" in out.num_scheduled_tokens:
+            break
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 10)]
+    assert b.num_cached_tokens == 4 and b.mm_items[0].offset < 4 < b.mm_items[0].end
+    assert encoder_inputs(out) == [("b", 0)]
+    while s.has_unfinished():
+        run_step(s)
+    assert b.output_token_ids == [7, 7, 7] and s.num_preemptions == 1

@@ -5,20 +5,26 @@ reference forward (tests/models/test_qwen_vl.py) run token by token with its KV 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from safetensors.torch import load_file
 
 from tests.conftest import random_image
 from tests.models.test_qwen_vl import DenseReference
+from tests.qwen_vl.test_processor import seed_pixels
 from vlmserve import LLM, SamplingParams
 from vlmserve.families.qwen_vl.chat_format import make_context
+from vlmserve.outputs import RequestOutput
 
 MAX_NEW = 6
 IM_END, IM_START, ENDOFTEXT = 151645, 151644, 151643
+STOP = {IM_END, IM_START, ENDOFTEXT}
+SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +57,46 @@ def conversations(pictures: list[str]) -> list[list[dict]]:
     ]
 
 
-def reference_greedy(ckpt: Path, ids: list[int], pixels: torch.Tensor | None, stop: set[int]) -> list[int]:
-    ref = DenseReference(
-        {k: t.float() for k, t in load_file(str(ckpt / "model.safetensors")).items()},
-        json.loads((ckpt / "config.json").read_text()),
-    )
-    logits = ref(ref.prompt_embeds(ids, pixels))
-    out: list[int] = []
-    while len(out) < MAX_NEW:
-        token = int(logits[-1].argmax())
-        out.append(token)
-        if token in stop:
-            break
-        logits = ref(F.embedding(torch.tensor([token]), ref.sd["transformer.wte.weight"]))
-    return out
+Reference = Callable[[list[int], torch.Tensor | None], tuple[list[int], list[torch.Tensor]]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen_vl_dir: Path) -> Reference:
+    """Greedy decoding through the dense reference (stopping at <|im_end|>, <|im_start|> or
+    <|endoftext|>, or after MAX_NEW tokens): the tokens and, for each, the log-softmax of the
+    logits it was picked from."""
+    weights = {k: t.float() for k, t in load_file(str(tiny_qwen_vl_dir / "model.safetensors")).items()}
+    config = json.loads((tiny_qwen_vl_dir / "config.json").read_text())
+
+    def run(ids: list[int], pixels: torch.Tensor | None) -> tuple[list[int], list[torch.Tensor]]:
+        ref = DenseReference(weights, config)
+        logits = ref(ref.prompt_embeds(ids, pixels))
+        tokens: list[int] = []
+        logprobs: list[torch.Tensor] = []
+        while len(tokens) < MAX_NEW:
+            tokens.append(int(logits[-1].argmax()))
+            logprobs.append(torch.log_softmax(logits[-1].double(), dim=-1))
+            if tokens[-1] in STOP:
+                break
+            logits = ref(F.embedding(torch.tensor(tokens[-1:]), ref.sd["transformer.wte.weight"]))
+        return tokens, logprobs
+
+    return run
+
+
+def assert_matches_reference(output: RequestOutput, expected: tuple[list[int], list[torch.Tensor]]) -> None:
+    """Same tokens, and every reported logprob within 1e-4 of the reference's."""
+    tokens, logprobs = expected
+    completion = output.outputs[0]
+    assert completion.token_ids == tokens
+    assert completion.logprobs is not None and len(completion.logprobs) == len(logprobs)
+    for step, (entry, ref) in enumerate(zip(completion.logprobs, logprobs, strict=True)):
+        worst = max(abs(lp.logprob - float(ref[token_id])) for token_id, lp in entry.items())
+        assert worst < 1e-4, f"token {step}: logprobs off by {worst:.2e}"
 
 
 def test_chat_with_images_and_history_matches_the_reference(
-    llm: LLM, pictures: list[str], tiny_qwen_vl_dir: Path
+    llm: LLM, pictures: list[str], reference: Reference
 ) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     convs = conversations(pictures)
@@ -90,22 +118,84 @@ def test_chat_with_images_and_history_matches_the_reference(
     assert len(expected_ids) > 2 * 256 > 64  # past seq_length: dynamic NTK and logn in play
     assert [item.original_size for item in together[0].mm_items] == [(150, 100), (60, 90)]
 
-    stop = {IM_END, IM_START, ENDOFTEXT}
     processor = llm.llm_engine.processor
     for output in together:
         prompt = processor.process(output.prompt_token_ids)
         pixels = torch.stack([item.pixel_values for item in prompt.mm_items]) if prompt.mm_items else None
-        assert output.outputs[0].token_ids == reference_greedy(tiny_qwen_vl_dir, output.prompt_token_ids, pixels, stop)
+        assert output.outputs[0].token_ids == reference(output.prompt_token_ids, pixels)[0]
     engine = llm.llm_engine
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
 
 
-def test_generate_with_an_image_path_in_the_prompt(llm: LLM, pictures: list[str]) -> None:
+def test_an_image_path_in_the_prompt_is_loaded_and_answered_as_chat_and_the_reference_do(
+    llm: LLM, pictures: list[str], reference: Reference
+) -> None:
     """The reference's own way: the image's path travels inside the token ids."""
-    prompt = f"<|im_start|>user\nPicture 1: <img>{pictures[0]}</img>\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
-    (output,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3))
-    assert [item.length for item in output.mm_items] == [256]
+
+    def prompt_for(path: str) -> str:
+        user = f"<|im_start|>user\nPicture 1: <img>{path}</img>\nWhat is it?<|im_end|>\n"
+        return f"{SYSTEM}{user}<|im_start|>assistant\n"
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+    prompt = prompt_for(pictures[0])
+    (output,) = llm.generate(prompt, params)
     assert llm.get_tokenizer().decode(output.prompt_token_ids, skip_special_tokens=False) == prompt
+    assert [(item.length, item.original_size) for item in output.mm_items] == [(256, (150, 100))]  # that file
+    # The reference forward, on the file's pixels preprocessed as the seed describes (448 x 448
+    # bicubic, CLIP mean and std), gives the same tokens and logprobs.
+    pixels = seed_pixels(Image.open(pictures[0]))[None]
+    assert_matches_reference(output, reference(output.prompt_token_ids, pixels))
+    # Chat with the same picture and question makes this very prompt, and answers the same.
+    (chat,) = llm.chat([{"role": "user", "content": [{"image": pictures[0]}, {"text": "What is it?"}]}], params)
+    assert chat.prompt_token_ids == output.prompt_token_ids
+    assert chat.outputs[0].token_ids == output.outputs[0].token_ids
+    # Another file named in the same place is another picture: the answer's distribution moves (the
+    # random weights tend to keep the greedy tokens).
+    (other,) = llm.generate(prompt_for(pictures[1]), params)
+    assert [item.original_size for item in other.mm_items] == [(60, 90)]
+    assert output.outputs[0].logprobs is not None and other.outputs[0].logprobs is not None
+    first, moved = output.outputs[0].logprobs[0], other.outputs[0].logprobs[0]
+    assert max(abs(first[t].logprob - moved[t].logprob) for t in first.keys() & moved.keys()) > 0.01
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_prompts_in_different_ntk_bases_share_no_cached_blocks_and_prompts_in_one_base_do(
+    llm: LLM, reference: Reference, tiny_qwen_vl_dir: Path
+) -> None:
+    """Qwen-VL-Chat rotates a prompt's keys with a base its length picks (dynamic NTK: one base up
+    to seq_length tokens, another up to twice that, ...). Cached KV of a prompt in one base is
+    wrong for a prompt in another, even where their tokens agree; in the same base it is right."""
+    seq_length = json.loads((tiny_qwen_vl_dir / "config.json").read_text())["seq_length"]
+    shared = (
+        f"{SYSTEM}<|im_start|>user\nLighthouses on this coast, from north to south: Longstone, Souter, "
+        "Flamborough, Spurn, Cromer, Lowestoft and Orfordness. "
+    )
+    questions = [
+        "Which is oldest?",
+        "Which of them still has a keeper living on site, which was the last to be automated, and which can "
+        "visitors climb today?",
+        "Sort them by the height of the tower, give the year each light was first lit, and say which ones are now "
+        "museums.",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+    llm.reset_prefix_cache()
+    short, long, other_long = (
+        llm.generate(f"{shared}{q}<|im_end|>\n<|im_start|>assistant\n", params)[0] for q in questions
+    )
+    lengths = [len(o.prompt_token_ids) for o in (short, long, other_long)]
+    assert lengths[0] <= seq_length < lengths[1] <= lengths[2] <= 2 * seq_length, lengths
+    block = llm.llm_engine.kv.block_size
+    assert common_prefix(short.prompt_token_ids, long.prompt_token_ids) >= 3 * block  # 3 full blocks alike
+    assert short.num_cached_tokens == 0
+    assert long.num_cached_tokens == 0  # short's blocks were computed in the other base
+    shared_blocks = common_prefix(long.prompt_token_ids, other_long.prompt_token_ids) // block
+    assert shared_blocks >= 3 and other_long.num_cached_tokens == shared_blocks * block
+    # Each long one answers as the reference does with the prompt alone.
+    for output in (long, other_long):
+        assert_matches_reference(output, reference(output.prompt_token_ids, None))
 
 
 def test_bad_images_are_named_and_the_llm_goes_on(llm: LLM, pictures: list[str]) -> None:

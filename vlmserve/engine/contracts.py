@@ -71,7 +71,7 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
 
 
-class EngineCoreOutput(msgspec.Struct, kw_only=True):
+class EngineCoreOutput(msgspec.Struct):
     """What one request got in one step: the engine core's output, in-process and on the wire."""
 
     request_id: str

@@ -70,8 +70,14 @@ class EngineCore:
                 )
             budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
         else:
-            count = max(1, sched.max_encoder_tokens_per_step // largest_item)
-            dummy = self.model_info.processing.dummy_items(count, largest_item, largest_modality)
+            # A step may encode max_encoder_tokens_per_step tokens of items each no larger than
+            # the largest. A dummy can hold fewer tokens than asked (a video's frames are capped,
+            # so a prompt-long one is whole frames and less): top up with what is left.
+            processor, step_tokens = self.model_info.processing, sched.max_encoder_tokens_per_step
+            dummy = processor.dummy_items(max(1, step_tokens // largest_item), largest_item, largest_modality)
+            short = step_tokens - sum(item.length for item in dummy)
+            if short > 0:
+                dummy += [i for i in processor.dummy_items(1, short, largest_modality) if i.length <= short]
             activations = self.runner.profile_run(
                 dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
             )

@@ -29,9 +29,9 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-s
 GEMM_ROWS = 96
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_has_avx2(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = cpuinfo.read_text()
     except OSError:
         return False
     return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
@@ -58,6 +58,24 @@ def _build(source: Path) -> Path | None:
             return None
         os.replace(built, target)  # atomic: concurrent builders agree
     return target
+
+
+def decode_kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether vlm_decode_attention takes these inputs: bf16 or fp32 throughout, a contiguous
+    cache, and heads within its fixed per-thread buffers (head_dim <= 256, <= 16 query heads
+    per KV head). q [num_seqs, num_heads, head_dim]; kv_cache [2, blocks, block_size,
+    num_kv_heads, head_dim]."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, kv_dim = kv_cache.shape[3:]
+    return (
+        q.dtype in (torch.bfloat16, torch.float32)
+        and kv_cache.dtype == q.dtype
+        and kv_dim == head_dim
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+        and kv_cache.is_contiguous()
+    )
 
 
 class CpuKernels:
@@ -102,19 +120,10 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor | None:
         """One query token per sequence over its paged KV; None where the kernel does not apply."""
-        num_seqs, num_heads, head_dim = q.shape
-        _, num_blocks, block_size, num_kv_heads, kv_dim = kv_cache.shape
-        group = num_heads // num_kv_heads
-        if (
-            q.dtype not in (torch.bfloat16, torch.float32)
-            or kv_cache.dtype != q.dtype
-            or kv_dim != head_dim
-            or head_dim > 256
-            or group > 16
-            or num_heads % num_kv_heads
-            or not kv_cache.is_contiguous()
-        ):
+        if not decode_kernel_applies(q, kv_cache):
             return None
+        num_seqs, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         q = q.contiguous()
         block_tables = block_tables.to(torch.int64).contiguous()
         seq_lens = seq_lens.to(torch.int64).contiguous()
