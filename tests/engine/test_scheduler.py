@@ -310,3 +310,20 @@ def test_a_request_preempted_mid_image_re_encodes_it_on_resume_after_eviction() 
     while s.has_unfinished():
         run_step(s)
     assert b.output_token_ids == [7, 7, 7] and s.num_preemptions == 1
+
+
+def test_a_request_longer_than_the_whole_kv_pool_ends_at_its_capacity_instead_of_waiting_forever() -> None:
+    # 4 blocks of 4: 16 tokens of KV in all. A 10-token prompt asking for 20 tokens would outgrow
+    # the pool, preempt itself and never be admitted again; it stops with "length" at 10 + 7 tokens
+    # (the 7th sampled token needs no KV), and the queue behind it moves on.
+    s = make_scheduler(num_blocks=4, block_size=4, budget=32)
+    long = make_request("long", 10, max_tokens=20)
+    s.add_request(long)
+    s.add_request(make_request("next", 3, max_tokens=2, first_token=50))
+    for _ in range(40):
+        if not s.has_unfinished():
+            break
+        run_step(s)
+    assert not s.has_unfinished()
+    assert long.status == RequestStatus.FINISHED_LENGTH and len(long.output_token_ids) == 7
+    assert s.num_preemptions == 0 and s.kv.pool.num_free == 4

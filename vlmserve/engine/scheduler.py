@@ -75,6 +75,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, [item.length for item in request.mm_items])
+        # NOTE: a request may never hold more KV than the whole pool (a fixed KV size smaller than
+        # max_model_len): past it, it would preempt itself and wait forever, holding up the queue.
+        # Its last sampled token needs no KV, so it may reach one token past the pool's capacity.
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        request.max_tokens = min(request.max_tokens, capacity - request.num_prompt_tokens + 1)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
