@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.conftest import random_image
 from tests.reference import hf_greedy, hf_prompt_ids
 from vlmserve import LLM, SamplingParams
 
@@ -134,7 +135,7 @@ def test_one_sampling_params_per_prompt(llm: LLM, cases, reference) -> None:  # 
         llm.generate([cases[3][0]] * 2, [SamplingParams()] * 3)
 
 
-def test_seeds_and_n(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
+def test_a_seeded_sample_ignores_its_batch_and_sample_i_of_n_is_the_run_with_seed_plus_i(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     text = cases[3][0]
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123)
     a = llm.generate(text, params)[0].outputs[0].token_ids
@@ -143,9 +144,21 @@ def test_seeds_and_n(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     assert a == b
     c = llm.generate(text, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=124))[0].outputs[0].token_ids
     assert a != c
-    (out,) = llm.generate(text, SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3))
+    # n = 3 samples of a prompt with an image no other test uses (so not in the encoder cache):
+    # the image is encoded once, for the first sample, and found in the cache by the other two.
+    prompt = {"prompt": chat_prompt(f"{PAD}Say something."), "multi_modal_data": {"image": random_image(84, 56, 31)}}
+    cache = llm.llm_engine.scheduler.encoder_cache
+    hits, misses = cache.hits, cache.misses
+    (out,) = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3))
+    assert (cache.misses - misses, cache.hits - hits) == (1, 2)
+    # Sample i is what a single-sample run with seed 7 + i gives.
+    singles = [
+        llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i))[0].outputs[0].token_ids
+        for i in range(3)
+    ]
     assert [o.index for o in out.outputs] == [0, 1, 2]
-    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    assert [o.token_ids for o in out.outputs] == singles
+    assert len({tuple(tokens) for tokens in singles}) == 3
     assert free_blocks_are_all_back(llm)
 
 
