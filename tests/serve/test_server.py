@@ -3,6 +3,7 @@ compared with the offline engine on the same checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -136,22 +137,63 @@ def test_sampling_options(client: openai.OpenAI) -> None:
     assert cut.choices[0].message.content == greedy.choices[0].message.content.split(stop)[0]
 
 
-def test_logprobs(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=5,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-    )
-    content = reply.choices[0].logprobs.content
-    assert len(content) == 5
-    for token in content:
-        assert len(token.top_logprobs) == 3
-        assert token.top_logprobs[0].token == token.token  # greedy: the most likely one
-        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
-        assert bytes(token.bytes).decode("utf-8", "replace") == token.token
+def test_logprobs_equal_the_offline_engines_in_chat_stream_and_completions(client: openai.OpenAI, offline: LLM) -> None:
+    """The offline engine's logprobs are checked against transformers (entrypoints/test_llm.py);
+    the server must carry the same numbers: the sampled token's own logprob (sampling at
+    temperature 0.7 among the top 3 picks tokens that are not the most likely), its
+    alternatives in rank order, each with its own bytes."""
+    sampling = {"temperature": 0.7, "top_p": 1.0, "seed": 5, "max_tokens": 6}
+    params = SamplingParams(top_k=3, **sampling)
+    tokenizer = offline.get_tokenizer()
+
+    messages = [{"role": "user", "content": "hi"}]
+    ref = offline.chat(messages, dataclasses.replace(params, logprobs=4))[0].outputs[0]
+    assert ref.logprobs is not None
+    assert max(entry[t].rank or 0 for t, entry in zip(ref.token_ids, ref.logprobs, strict=True)) > 1
+    expected = []
+    for token_id, entry in zip(ref.token_ids, ref.logprobs, strict=True):
+        ranked = sorted((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) <= 4)
+        assert [rank for rank, _, _ in ranked] == [1, 2, 3, 4]
+        expected.append(
+            (
+                entry[token_id].decoded_token,
+                pytest.approx(entry[token_id].logprob, abs=1e-4),
+                list(tokenizer.token_bytes(token_id)),
+                [
+                    (lp.decoded_token, pytest.approx(lp.logprob, abs=1e-4), list(tokenizer.token_bytes(tid)))
+                    for _, tid, lp in ranked
+                ],
+            )
+        )
+
+    def shown(tokens) -> list:  # type: ignore[no-untyped-def]
+        return [(t.token, t.logprob, t.bytes, [(a.token, a.logprob, a.bytes) for a in t.top_logprobs]) for t in tokens]
+
+    body = {"model": "tiny", "messages": messages, "logprobs": True, "top_logprobs": 4, "extra_body": {"top_k": 3}}
+    reply = client.chat.completions.create(**body, **sampling)
+    assert reply.choices[0].message.content == ref.text
+    assert shown(reply.choices[0].logprobs.content) == expected
+    streamed = []
+    for chunk in client.chat.completions.create(**body, **sampling, stream=True):
+        for choice in chunk.choices:
+            streamed.extend(choice.logprobs.content if choice.logprobs else [])
+    assert shown(streamed) == expected
+
+    prompt = "Once upon a time"
+    ref = offline.generate(prompt, dataclasses.replace(params, logprobs=1))[0].outputs[0]
+    assert ref.logprobs is not None
+    sampled = [entry[t] for t, entry in zip(ref.token_ids, ref.logprobs, strict=True)]
+    assert max(lp.rank or 0 for lp in sampled) > 1
+    legacy = client.completions.create(
+        model="tiny", prompt=prompt, logprobs=1, extra_body={"top_k": 3}, **sampling
+    ).choices[0]
+    assert legacy.text == ref.text and legacy.logprobs is not None
+    assert legacy.logprobs.tokens == [lp.decoded_token for lp in sampled]
+    assert legacy.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in sampled], abs=1e-4)
+    # vLLM's legacy top_logprobs: the most likely token and the sampled one, by text.
+    assert legacy.logprobs.top_logprobs == [
+        pytest.approx({lp.decoded_token: lp.logprob for lp in e.values()}, abs=1e-4) for e in ref.logprobs
+    ]
 
 
 def test_completions_by_text_ids_batch_and_stream_equal_the_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
