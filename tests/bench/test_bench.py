@@ -1,5 +1,6 @@
-"""`vlmserve bench` end to end at toy sizes: both engines run the same requests, every request
-produces exactly its output length, and the report files are written."""
+"""`vlmserve bench` end to end at toy sizes: both engines run the same requests and generate
+the same greedy tokens (float32), every request exactly its output length, and the report
+files are written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from vlmserve.bench.main import main
 
 
-def test_bench_runs_both_engines_and_writes_reports(tiny_dir: Path, tmp_path: Path) -> None:
+def test_bench_engines_generate_the_same_greedy_tokens_and_reports_are_written(tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     main(
         [
@@ -57,6 +58,13 @@ def test_bench_runs_both_engines_and_writes_reports(tiny_dir: Path, tmp_path: Pa
     lengths = [r["output_tokens"] for r in ours["requests"]]
     assert lengths == [r["output_tokens"] for r in theirs["requests"]]
     assert all(3 <= n <= 7 for n in lengths) and ours["summary"]["output_tokens"] == sum(lengths)
+    # The same requests through both engines, greedy, float32: the same tokens, so the timings
+    # compare like with like (an engine producing other tokens is not faster, it is wrong).
+    tokens = [r["token_ids"] for r in ours["requests"]]
+    assert tokens == [r["token_ids"] for r in theirs["requests"]]
+    assert [len(t) for t in tokens] == lengths
+    assert len({tuple(t) for t in tokens}) == len(tokens)  # the requests (random images and words) differ
+    assert report["greedy_agreement"] == {"requests": 4, "identical": 4, "tokens_before_first_difference": lengths}
     for r in ours["requests"]:
         assert r["submitted"] <= r["first_token"] <= r["finished"]
     assert theirs["summary"]["batch_size"] in (1, 2)

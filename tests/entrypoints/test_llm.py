@@ -7,9 +7,11 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
-from tests.reference import hf_greedy, hf_prompt_ids
+from tests.conftest import random_image
+from tests.reference import hf_greedy, hf_logits, hf_prompt_ids
 from vlmserve import LLM, SamplingParams
 
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -134,7 +136,7 @@ def test_one_sampling_params_per_prompt(llm: LLM, cases, reference) -> None:  # 
         llm.generate([cases[3][0]] * 2, [SamplingParams()] * 3)
 
 
-def test_seeds_and_n(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
+def test_a_seeded_sample_ignores_its_batch_and_sample_i_of_n_is_the_run_with_seed_plus_i(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     text = cases[3][0]
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123)
     a = llm.generate(text, params)[0].outputs[0].token_ids
@@ -143,9 +145,21 @@ def test_seeds_and_n(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     assert a == b
     c = llm.generate(text, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=124))[0].outputs[0].token_ids
     assert a != c
-    (out,) = llm.generate(text, SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3))
+    # n = 3 samples of a prompt with an image no other test uses (so not in the encoder cache):
+    # the image is encoded once, for the first sample, and found in the cache by the other two.
+    prompt = {"prompt": chat_prompt(f"{PAD}Say something."), "multi_modal_data": {"image": random_image(84, 56, 31)}}
+    cache = llm.llm_engine.scheduler.encoder_cache
+    hits, misses = cache.hits, cache.misses
+    (out,) = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3))
+    assert (cache.misses - misses, cache.hits - hits) == (1, 2)
+    # Sample i is what a single-sample run with seed 7 + i gives.
+    singles = [
+        llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i))[0].outputs[0].token_ids
+        for i in range(3)
+    ]
     assert [o.index for o in out.outputs] == [0, 1, 2]
-    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    assert [o.token_ids for o in out.outputs] == singles
+    assert len({tuple(tokens) for tokens in singles}) == 3
     assert free_blocks_are_all_back(llm)
 
 
@@ -264,19 +278,44 @@ def test_tight_memory_and_small_budget_change_nothing(tiny_dir: Path, cases, ref
     assert free_blocks_are_all_back(llm)
 
 
-def test_logprobs(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
-    text = cases[3][0]
-    out = llm.generate(text, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
+def test_logprobs_are_transformers_raw_log_softmax_not_the_sampling_distribution(  # type: ignore[no-untyped-def]
+    llm: LLM, cases, hf_model, hf_tokenizer, hf_image_processor
+) -> None:
+    """vLLM's default (logprobs_mode="raw_logprobs"): each generated token's log-probability, and
+    its rank, under the model's own distribution, before temperature and top-k. Sampled here at
+    temperature 0.7 with top_k=3 and 5 logprobs asked, so logprobs of the scaled or cut
+    distribution (or raw logits) give other values, and ranks 4 and 5 would be -inf."""
+    text, pictures = cases[0]
+    params = SamplingParams(temperature=0.7, top_k=3, max_tokens=6, seed=5, logprobs=5)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, params)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
-    total = 0.0
-    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
-        chosen = entry[token_id]
-        assert chosen.rank == 1  # greedy picks the most likely token
-        assert len(entry) == 3 and all(lp.logprob <= chosen.logprob for lp in entry.values())
-        assert chosen.decoded_token == llm.get_tokenizer().decode([token_id], skip_special_tokens=False)
-        total += chosen.logprob
-    assert out.cumulative_logprob is not None and abs(out.cumulative_logprob - total) < 1e-6
-    plain = llm.generate(text, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+
+    # transformers on the prompt and the sampled tokens (teacher forcing): position n - 1 + i
+    # holds the logits the i-th generated token was drawn from.
+    ids, vision = hf_prompt_ids(hf_tokenizer, hf_image_processor, text, pictures)
+    logits = hf_logits(hf_model, ids + out.token_ids, vision)[len(ids) - 1 : -1]
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    tokenizer = llm.get_tokenizer()
+    ranks = []
+    for token_id, entry, ref in zip(out.token_ids, out.logprobs, reference, strict=True):
+        top5 = ref.topk(5).indices.tolist()
+        assert set(entry) == set(top5)  # the sampled token is among them: top_k=3 leaves only ranks 1-3
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(ref[tid]), abs=1e-4)
+            # Rank under the raw distribution (1 + the tokens more likely); ties closer than 1e-5
+            # may go either way.
+            assert 1 + int((ref > ref[tid] + 1e-5).sum()) <= lp.rank <= int((ref >= ref[tid] - 1e-5).sum())
+            assert lp.decoded_token == tokenizer.decode([tid], skip_special_tokens=False)
+        ranks.append(entry[token_id].rank)
+    assert max(ranks) > 1  # some draws were not the most likely token: the rank is really checked
+    assert max(ranks) <= 3  # top_k=3 did cut the sampling
+    expected_total = float(reference[torch.arange(6), torch.tensor(out.token_ids)].sum())
+    assert out.cumulative_logprob == pytest.approx(expected_total, abs=1e-3)
+    # Asking for logprobs does not change what is sampled.
+    plain = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": pictures}},
+        SamplingParams(temperature=0.7, top_k=3, max_tokens=6, seed=5),
+    )[0].outputs[0]
     assert plain.logprobs is None and plain.token_ids == out.token_ids
 
 

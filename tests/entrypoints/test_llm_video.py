@@ -103,12 +103,17 @@ def test_video_prompts_match_transformers(  # type: ignore[no-untyped-def]
         del vision["second_per_grid_ts"]  # Qwen2-VL spaces video frames by one position, not by time
         assert ids == ours.prompt_token_ids
         assert hf_mm_greedy(hf_model, ids, vision, MAX_NEW) == alone[k]
-        # Random weights repeat tokens: the next token's distribution is the sharper check.
-        params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-        (top,) = llm.generate(prompts[k], params)[0].outputs[0].logprobs or []
-        reference = torch.log_softmax(hf_mm_logits(hf_model, ids, vision)[-1].double(), dim=-1)
-        assert sorted(top) == sorted(reference.topk(5).indices.tolist())
-        assert all(abs(lp.logprob - float(reference[token_id])) < 1e-4 for token_id, lp in top.items())
+        # Random weights repeat tokens: every step's distribution is the sharper check. Teacher
+        # forcing the greedy answer gives transformers' distribution at each generated position.
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5)
+        out = llm.generate(prompts[k], params)[0].outputs[0]
+        assert out.token_ids == alone[k] and out.logprobs is not None
+        logits = hf_mm_logits(hf_model, ids + alone[k][:-1], vision)[len(ids) - 1 :]
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        assert len(out.logprobs) == len(reference) == len(alone[k])
+        for top, ref in zip(out.logprobs, reference, strict=True):
+            assert sorted(top) == sorted(ref.topk(5).indices.tolist())
+            assert all(abs(lp.logprob - float(ref[token_id])) < 1e-4 for token_id, lp in top.items())
 
 
 def test_chat_and_every_video_form_give_the_same_answer(llm: LLM, clip: bytes, tmp_path: Path) -> None:

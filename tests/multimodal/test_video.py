@@ -84,6 +84,8 @@ def qvu() -> Iterator[ModuleType]:
     """qwen_vl_utils.vision_process, imported with stand-ins for torchvision (not installed here)
     and decord: its frame choice and sizing run as they are; its resize only gives the output its
     shape, and decord reads with PyAV."""
+    import transformers  # noqa: F401  (it probes for torchvision once; it must find none, not these stand-ins)
+
     torchvision = ModuleType("torchvision")
     torchvision.__version__ = "0.20.0"  # type: ignore[attr-defined]
     tv_io = ModuleType("torchvision.io")
@@ -421,6 +423,129 @@ def test_http_video_keeps_the_fetch_limits(served: str) -> None:
         load_video(f"{served}/clip.mp4", label="clip", limits=MediaLimits(max_video_bytes=1000))
     with pytest.raises(MediaError, match="^clip: fetching the URL returned HTTP 404"):
         load_video(f"{served}/missing.mp4", label="clip")
+
+
+# -- pixel values against qwen-vl-utils + transformers ---------------------------------------------
+
+
+def torchvision_resize(img: torch.Tensor, size: list[int], interpolation: str, antialias: bool = True) -> torch.Tensor:
+    """torchvision.transforms.functional.resize on a tensor, as torchvision computes it
+    (functional.resize, then _functional_tensor.resize): nothing when the size is already right;
+    else to float32, interpolate (align_corners=False, with antialias), clamp to 0..255 for
+    bicubic on uint8, round and cast back. The stand-in qwen-vl-utils' fetch_video resizes with."""
+    if list(img.shape[-2:]) == list(size):
+        return img
+    out_dtype = img.dtype
+    x = img if img.dtype in (torch.float32, torch.float64) else img.to(torch.float32)
+    x = torch.nn.functional.interpolate(
+        x, size=list(size), mode=interpolation, align_corners=False, antialias=antialias
+    )
+    if interpolation == "bicubic" and out_dtype == torch.uint8:
+        x = x.clamp(min=0, max=255)
+    if x.dtype != out_dtype:
+        x = x.round().to(out_dtype)
+    return x
+
+
+def torchvision_normalize(image: torch.Tensor, mean: Any, std: Any, inplace: bool = False) -> torch.Tensor:
+    """torchvision.transforms.v2.functional.normalize on a float image, as torchvision computes it."""
+    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+    return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
+
+
+@pytest.fixture(scope="module")
+def hf_video_processor() -> Iterator[Any]:
+    """transformers' Qwen2VLVideoProcessor (transformers 5.23). Its module imports torchvision's v2
+    functional API (not installed here); with the resize left to qwen-vl-utils and the frames
+    already RGB, the only function it calls is normalize (fused with the rescale)."""
+    import transformers.image_processing_backends as backends
+
+    functional = ModuleType("torchvision.transforms.v2.functional")
+    functional.InterpolationMode = SimpleNamespace(BICUBIC="bicubic", BILINEAR="bilinear")  # type: ignore[attr-defined]
+    functional.normalize = torchvision_normalize  # type: ignore[attr-defined]
+    v2 = ModuleType("torchvision.transforms.v2")
+    v2.functional = functional  # type: ignore[attr-defined]
+    name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "torchvision.transforms.v2", v2)
+        mp.setitem(sys.modules, "torchvision.transforms.v2.functional", functional)
+        mp.setattr(backends, "tvF", functional, raising=False)
+        if "torchvision" not in sys.modules:
+            mp.setitem(sys.modules, "torchvision", ModuleType("torchvision"))
+        if "torchvision.transforms" not in sys.modules:
+            mp.setitem(sys.modules, "torchvision.transforms", ModuleType("torchvision.transforms"))
+        mp.setattr(sys.modules["torchvision.transforms"], "v2", v2, raising=False)
+        mp.delitem(sys.modules, name, raising=False)
+        yield importlib.import_module(name).Qwen2VLVideoProcessor()
+        sys.modules.pop(name, None)
+
+
+def noise_video(num_frames: int, width: int, height: int, fps: int = 4) -> tuple[bytes, list[np.ndarray]]:
+    """A lossless (PNG in QuickTime) video of uniform RGB noise, and its frames."""
+    import av
+
+    rng = np.random.default_rng(num_frames * width + height)
+    frames = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for _ in range(num_frames)]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mov") as out:
+        stream = out.add_stream("png", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "rgb24"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue(), frames
+
+
+def _qwen_pixel_values(qvu: ModuleType, processor: Any, ele: dict[str, Any]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """qwen-vl-utils' fetch_video (its own resize, torchvision's bicubic with antialias) then
+    transformers' video processor (rescale, normalise, patches; the size qwen-vl-utils chose is
+    kept, as the processor's own smart_resize keeps a size already on its grid and bounds)."""
+    video = qvu.fetch_video(ele)
+    out = processor(videos=[video], do_resize=False, do_convert_rgb=False, cap_pixels_per_frame=False)
+    return out["pixel_values_videos"].numpy(), tuple(int(x) for x in out["video_grid_thw"][0])
+
+
+PIXEL_CASES = {
+    # 540 x 360 frames brought down to 336 x 224 (1.6x): antialiasing matters.
+    "file-downscaled": ("file", {"nframes": 4, "min_pixels": 3136, "max_pixels": 28 * 28 * 100}, (336, 224)),
+    # Frames of a list are first fitted as images (PIL, 180 x 120 to 168 x 112), then raised to
+    # the video's 128-token minimum (392 x 280): two resizes in qwen-vl-utils.
+    "list-twice-resized": ("list", {}, (392, 280)),
+}
+
+
+@pytest.mark.parametrize("case", list(PIXEL_CASES))
+def test_video_pixel_values_match_qwen_vl_utils_and_transformers(
+    qvu: ModuleType, hf_video_processor: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Frames of uniform noise (every pixel differs from its neighbours, so any other filter,
+    antialiasing or order of resizes shows) give the same uint8 pixels, hence the same patches,
+    as qwen-vl-utils' fetch_video followed by transformers' Qwen2VLVideoProcessor."""
+    monkeypatch.setattr(qvu.transforms.functional, "resize", torchvision_resize)
+    kind, options, resized_size = PIXEL_CASES[case]
+    if kind == "file":
+        data, _ = noise_video(6, 540, 360)
+        path = tmp_path / "noise.mov"
+        path.write_bytes(data)
+        source: Any = path
+        ele: dict[str, Any] = {"video": str(path), **options}
+    else:
+        _, frames = noise_video(3, 180, 120)
+        source = frames
+        ele = {"video": [Image.fromarray(f) for f in frames], **options}
+    expected, grid = _qwen_pixel_values(qvu, hf_video_processor, ele)
+    ours = load_video(source, _options(options), CFG)
+    assert ours.resized_size == resized_size and ours.grid_thw == grid and ours.pixel_values.shape == expected.shape
+    # Differences under 1e-5 are the normalisation's float rounding; anything more is a uint8
+    # level (0.0146 to 0.0153 after normalisation). Allowed: one level in one value in 10^4
+    # (an interpolated value a float32 rounding away from .5).
+    level = 1 / 255 / min(OPENAI_CLIP_STD)
+    diff = np.abs(ours.pixel_values - expected)
+    differing = float((diff > 1e-5).mean())
+    assert differing <= 1e-4 and float(diff.max()) <= level + 1e-5, (differing, float(diff.max()) / level)
 
 
 # -- lists of frames -----------------------------------------------------------------------------------

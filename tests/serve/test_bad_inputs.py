@@ -17,8 +17,11 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
+import torch
+from PIL import Image, ImageOps
 
+from tests.entrypoints.test_llm import PAD, chat_prompt
+from tests.reference import hf_greedy, hf_logits, hf_prompt_ids
 from tests.serve.conftest import API_KEY, Server, data_url, image_message, picture, segments_left
 
 LEAKS = re.compile(r"Traceback|File \"|/work/|/tmp/|/home/|0x[0-9a-f]{6,}|site-packages|\bline \d+")
@@ -161,24 +164,60 @@ def _animated(fmt: str) -> bytes:
     return _encode(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100)
 
 
-@pytest.mark.parametrize(
-    "payload",
-    [
-        _b64(_encode(picture(), "JPEG"), "image/png"),  # the declared type lies: decoded by content
-        _b64(_encode(picture().convert("CMYK"), "JPEG"), "image/jpeg"),
-        _b64(_encode(Image.fromarray(np.full((20, 30), 40000, dtype=np.uint16)), "PNG")),
-        _b64(_encode(picture().convert("P"), "PNG")),
-        _b64(_encode(picture().convert("LA"), "PNG")),
-        _b64(_encode(picture().convert("RGBA"), "PNG")),
-        _b64(_animated("GIF"), "image/gif"),
-        _b64(_animated("PNG")),  # APNG
-        _b64(_encode(Image.new("RGB", (1, 1)), "PNG")),
-    ],
-)
-def test_unusual_but_valid_images_get_a_defined_result(server: Server, payload: str) -> None:
-    response = chat(server, image_message(payload))
+def _translucent(mode: str) -> Image.Image:
+    """picture() with alpha rising from 0 at the left edge to 255 at the right, in `mode`."""
+    rgba = np.asarray(picture().convert("RGBA")).copy()
+    rgba[..., 3] = np.linspace(0, 255, rgba.shape[1]).astype(np.uint8)[None, :]
+    return Image.fromarray(rgba, "RGBA").convert(mode)
+
+
+UNUSUAL_IMAGES = {
+    "jpeg-declared-png": _b64(_encode(picture(), "JPEG"), "image/png"),  # the declared type lies: decoded by content
+    "cmyk-jpeg": _b64(_encode(picture().convert("CMYK"), "JPEG"), "image/jpeg"),
+    "16-bit-png": _b64(_encode(Image.fromarray(np.full((20, 30), 40000, dtype=np.uint16)), "PNG")),
+    "palette-png": _b64(_encode(picture().convert("P"), "PNG")),
+    "gray-alpha-png": _b64(_encode(picture().convert("LA"), "PNG")),
+    "rgba-png": _b64(_encode(picture().convert("RGBA"), "PNG")),
+    "translucent-rgba-png": _b64(_encode(_translucent("RGBA"), "PNG")),
+    "translucent-gray-alpha-png": _b64(_encode(_translucent("LA"), "PNG")),
+    "palette-png-with-a-transparent-colour": _b64(_encode(picture().convert("P"), "PNG", transparency=0)),
+    "animated-gif": _b64(_animated("GIF"), "image/gif"),
+    "apng": _b64(_animated("PNG")),
+    "1x1": _b64(_encode(Image.new("RGB", (1, 1)), "PNG")),
+}
+
+
+@pytest.mark.parametrize("payload", list(UNUSUAL_IMAGES.values()), ids=list(UNUSUAL_IMAGES))
+def test_unusual_but_valid_images_are_answered_as_transformers_answers_the_decoded_image(  # type: ignore[no-untyped-def]
+    server: Server, payload: str, hf_model, hf_tokenizer, hf_image_processor
+) -> None:
+    """The reference: Pillow decodes the bytes (first frame, EXIF orientation), transformers'
+    image processor makes it RGB (transparency onto white) and resizes it, transformers' model
+    answers greedily."""
+    question = "What is this?"
+    response = chat(
+        server, image_message(payload, question), max_tokens=3, temperature=0, logprobs=True, top_logprobs=5
+    )
     assert response.status_code == 200, response.text
     assert segments_left() == []
+    body = response.json()
+
+    decoded = ImageOps.exif_transpose(Image.open(io.BytesIO(base64.b64decode(payload.split(",", 1)[1]))))
+    ids, vision = hf_prompt_ids(hf_tokenizer, hf_image_processor, chat_prompt(PAD + question), [decoded])
+    (item,) = body["usage"]["multimodal_tokens"]
+    assert item["original_size"] == list(decoded.size)
+    t, h, w = vision["image_grid_thw"][0].tolist()
+    assert item["resized_size"] == [w * 14, h * 14] and item["tokens"] == t * h * w // 4
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+    expected = hf_greedy(hf_model, ids, vision, 3)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(expected)
+    assert body["choices"][0]["message"]["content"] == hf_tokenizer.decode(expected, skip_special_tokens=True)
+    reference = torch.log_softmax(hf_logits(hf_model, ids, vision)[-1].double(), dim=-1).topk(5)
+    served = [top["logprob"] for top in content[0]["top_logprobs"]]
+    assert served == pytest.approx(reference.values.tolist(), abs=1e-4)
+    assert content[0]["token"] == hf_tokenizer.decode(expected[:1])
 
 
 def test_exif_rotated_jpeg(server: Server) -> None:

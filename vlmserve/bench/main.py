@@ -7,7 +7,8 @@ machine, in one run.
 2. One request alone: time to first token (encode the image + prefill the prompt) and time per
    output token (a decode step), both engines.
 3. Sweeps (vlmserve; transformers too with --sweep-hf): concurrency, and image size.
-Prints the numbers and ratios, writes bench.json and bench.png to --out.
+Prints the numbers and ratios and how many workload requests got the same greedy tokens from
+both engines (every request's tokens are in bench.json), writes bench.json and bench.png to --out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from vlmserve.bench.metrics import RunResult
+from vlmserve.bench.metrics import RunResult, greedy_agreement
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import make_workload
@@ -115,6 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
         best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
         theirs = run_hf(hf_model, workload, best)
+        # Both engines ran the same requests greedily: their tokens say whether the numbers
+        # compare like with like (a fast engine producing other tokens is no result).
+        report["greedy_agreement"] = greedy_agreement(ours, theirs)
         # One request alone, alternating engines so that both see the same machine conditions
         # (this machine's memory bandwidth drifts by tens of percent over minutes).
         ours_single: list[RunResult] = []
@@ -146,6 +150,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for x in pair
         ]
         _print_table("one request alone", rows, ["round", *ours.summary()])
+        agreement = report["greedy_agreement"]
+        print(
+            f"\ngreedy tokens: {agreement['identical']} of {agreement['requests']} requests identical in both engines"
+        )
         print("\nvlmserve / transformers (higher is better for vlmserve):")
         for name, value in report["ratios"].items():
             print(f"  {name}: {value}x")

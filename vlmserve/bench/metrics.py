@@ -27,6 +27,7 @@ class RequestTiming:
     submitted: float
     first_token: float
     finished: float
+    token_ids: list[int] = field(default_factory=list)  # the request's own generated tokens
 
     @property
     def ttft(self) -> float:
@@ -80,3 +81,19 @@ class RunResult:
 
     def to_json(self) -> dict[str, object]:
         return {"summary": self.summary(), "requests": [asdict(t) for t in self.timings]}
+
+
+def greedy_agreement(ours: RunResult, theirs: RunResult) -> dict[str, object]:
+    """How far two greedy runs of the same requests agree: how many requests got identical
+    tokens, and per request the tokens before the first difference. In float32 the engines
+    should agree throughout; in bfloat16 rounding may make them part after a while."""
+    theirs_by_index = {t.index: t.token_ids for t in theirs.timings}
+    prefixes, identical = [], 0
+    for t in ours.timings:
+        other = theirs_by_index[t.index]
+        prefix = 0
+        while prefix < min(len(t.token_ids), len(other)) and t.token_ids[prefix] == other[prefix]:
+            prefix += 1
+        prefixes.append(prefix)
+        identical += t.token_ids == other
+    return {"requests": len(prefixes), "identical": identical, "tokens_before_first_difference": prefixes}

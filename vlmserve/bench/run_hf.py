@@ -63,23 +63,30 @@ def _batch_inputs(batch: list[BenchRequest]) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def generate_batch(model: Any, batch: list[BenchRequest], max_new_tokens: int) -> tuple[float, float, float]:
-    """(start, first logits, end) of one generate call, greedy, never stopping early."""
+def generate_batch(
+    model: Any, batch: list[BenchRequest], max_new_tokens: int
+) -> tuple[float, float, float, list[list[int]]]:
+    """(start, first logits, end, each row's max_new_tokens new tokens) of one generate call,
+    greedy, never stopping early."""
     from transformers import LogitsProcessorList
 
     clock = _FirstLogits()
     inputs = _batch_inputs(batch)
     start = time.perf_counter()
-    model.generate(
+    sequences = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,  # ignore eos, as vlmserve does with ignore_eos
+        # Run past eos without keeping it from being chosen, as vlmserve's ignore_eos (and
+        # vLLM's) does; min_new_tokens would mask eos and change the greedy tokens.
+        eos_token_id=None,
         do_sample=False,
         pad_token_id=PAD_ID,
         logits_processor=LogitsProcessorList([clock]),
     )
     end = time.perf_counter()
-    return start, clock.at or end, end
+    new_tokens = sequences[:, inputs["input_ids"].shape[1] :].tolist()
+    assert all(len(row) == max_new_tokens for row in new_tokens)
+    return start, clock.at or end, end, new_tokens
 
 
 def run_hf(model: Any, requests: list[BenchRequest], batch_size: int) -> RunResult:
@@ -88,12 +95,13 @@ def run_hf(model: Any, requests: list[BenchRequest], batch_size: int) -> RunResu
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
         batch_len = max(r.output_len for r in batch)
-        _, first, end = generate_batch(model, batch, batch_len)
+        _, first, end, new_tokens = generate_batch(model, batch, batch_len)
         per_token = (end - first) / max(batch_len - 1, 1)
-        for r in batch:
+        for r, row in zip(batch, new_tokens, strict=True):
             # A request's own tokens arrive at the batch's pace; it is done at its own length.
             own_end = first + per_token * (r.output_len - 1)
-            timings.append(RequestTiming(r.index, r.prompt.num_tokens, r.output_len, begin, first, own_end))
+            own = row[: r.output_len]
+            timings.append(RequestTiming(r.index, r.prompt.num_tokens, len(own), begin, first, own_end, own))
     wall = time.perf_counter() - begin
     return RunResult("transformers", {"batch_size": batch_size}, wall, timings)
 
@@ -118,14 +126,14 @@ def probe_batch_sizes(
     hundred keys is a small part of a step). The workload's time at a size is then predicted as
     the sum over its batches of their prefill + (longest output - 1) x step, and the size with the
     most useful tokens per second wins. The chosen size then runs the workload for real."""
-    start, first, _ = generate_batch(model, requests[:1], 2)
+    start, first, _, _ = generate_batch(model, requests[:1], 2)
     prefill_per_request = first - start
     useful = sum(r.output_len for r in requests)
     probes: dict[int, dict[str, float]] = {}
     for size in candidates:
         if size > len(requests):
             continue
-        _, first, end = generate_batch(model, _short_text_requests(size, 16), probe_steps)
+        _, first, end, _ = generate_batch(model, _short_text_requests(size, 16), probe_steps)
         step = (end - first) / (probe_steps - 1)
         predicted = 0.0
         for i in range(0, len(requests), size):

@@ -41,6 +41,7 @@ def run_vlmserve(engine: LLMEngine, requests: list[BenchRequest], concurrency: i
             timing.output_tokens = produced
             if output.finished:
                 timing.finished = now
+                timing.token_ids = list(output.outputs[0].token_ids)
                 in_flight -= 1
         while pending and in_flight < concurrency:
             submit()

@@ -18,10 +18,12 @@ max_pixels; total_pixels defaults to 128000 * 28 * 28 * 0.9. resized_height / re
 replace the frame's size before the rounding. Frames of a list start from the size qwen-vl-utils
 first fits them to as images (list_frame_size), so the sizes, and token counts, agree with it.
 
-Then the image path's bicubic resize, rescale and normalisation, and its patch layout with real
-consecutive frames in the temporal slots: temporal patch k holds frames 2k and 2k + 1, giving
-[grid_t * grid_h * grid_w, 3 * 2 * 14 * 14] with grid_t = nframes / 2. A temporal patch spans
-second_per_grid_t = 2 / sample_fps seconds, which Qwen2.5-VL's M-RoPE uses.
+Then qwen-vl-utils' resize (torchvision's float bicubic with antialias; a frame of a list is first
+fitted to list_frame_size with PIL's bicubic, as fetch_image does), the image path's rescale and
+normalisation, and its patch layout with real consecutive frames in the temporal slots: temporal
+patch k holds frames 2k and 2k + 1, giving [grid_t * grid_h * grid_w, 3 * 2 * 14 * 14] with
+grid_t = nframes / 2. A temporal patch spans second_per_grid_t = 2 / sample_fps seconds, which
+Qwen2.5-VL's M-RoPE uses.
 """
 
 from __future__ import annotations
@@ -408,7 +410,8 @@ def process_video(plan: VideoPlan, cfg: ImageProcessorConfig, limits: MediaLimit
                     f"fitted to {size[1]}x{size[0]}, frame 0 to {expected[1]}x{expected[0]}"
                 )
             expected = size
-            resized = _resize(image, plan.resized_size)
+            # qwen-vl-utils fits each frame as an image first (PIL), then resizes the video (torch).
+            resized = _resize(_fit_as_image(image, size), plan.resized_size)
             for _ in range(plan.frame_indices.count(k)):
                 writer.add(resized)
     pixel_values, content_hash = writer.finish()
@@ -437,10 +440,28 @@ def load_video(
 
 
 def _resize(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+    """A frame [H, W, 3] uint8 at `size` (width, height), resized as qwen-vl-utils' fetch_video
+    resizes video frames: torchvision's resize of a uint8 tensor, which is float32 bicubic
+    interpolation with antialias, clamped to 0..255 and rounded. PIL's bicubic filter is the same
+    but rounds and clips between its horizontal and vertical passes: on fine detail it is more
+    than ten levels away."""
     rgb = to_rgb(image)
-    if rgb.size != size:
-        rgb = rgb.resize(size, resample=Image.Resampling.BICUBIC)
-    return np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
+    if rgb.size == size:
+        return np.asarray(rgb, dtype=np.uint8)
+    width, height = size
+    frame = torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1)[None].to(torch.float32)
+    frame = torch.nn.functional.interpolate(
+        frame, size=(height, width), mode="bicubic", align_corners=False, antialias=True
+    )
+    return frame.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).contiguous().numpy()
+
+
+def _fit_as_image(image: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """A frame of a list at `size` (height, width) as qwen-vl-utils' fetch_image leaves it: PIL's
+    bicubic resize (its default filter), before the video's own resize."""
+    rgb = to_rgb(image)
+    height, width = size
+    return rgb if rgb.size == (width, height) else rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
 class _PatchWriter:
