@@ -364,47 +364,71 @@ def test_api_process_death_ends_the_engine(tiny_dir: Path, tmp_path: Path) -> No
     assert not alive(engine)
 
 
-def test_sigterm_finishes_in_flight_and_refuses_new(tiny_dir: Path, tmp_path: Path) -> None:
+DRAINED_TOKENS = 100
+
+
+def test_start_sweeps_orphan_segments_and_sigterm_drains_in_flight_streams_and_refuses_new(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     # A crashed run left a segment behind: the next start sweeps it.
     code = "import numpy as np; from vlmserve.serve import shm; print(shm.write_array(np.ones(8, np.float32)).name)"
     orphan = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert orphan in shm.list_segments()
     server = start_server(tiny_dir, tmp_path)
     assert orphan not in shm.list_segments()
+    engine = server.engine_pid()
+    body = {
+        "max_tokens": DRAINED_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+    # `started` has tokens when the engine is frozen (SIGSTOP, sent the moment its first token
+    # arrives); `pending` is admitted while the engine is frozen, so it provably has not one
+    # token computed when SIGTERM comes. Both must then be streamed to their last token.
+    started = StreamReader(
+        server,
+        body | {"messages": [{"role": "user", "content": "x"}]},
+        on_first_token=lambda: os.kill(engine, signal.SIGSTOP),
+    )
+    pending = StreamReader(server, body | {"messages": [{"role": "user", "content": "y"}]})
     try:
-        result: dict = {}
-
-        def long_request() -> None:
-            r = server.post(
-                "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "ignore_eos": True},
-            )
-            result["status"], result["body"] = r.status_code, r.json()
-
-        engine = server.engine_pid()
-        keep_alive = httpx.Client(timeout=10)
-        assert keep_alive.get(server.url + "/health").status_code == 200
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        time.sleep(0.5)
+        started.start()
+        wait_until(lambda: started.tokens() > 0, lambda: f"no token streamed: {started.error!r}", timeout=60)
+        wait_until(
+            lambda: "\nState:\tT" in Path(f"/proc/{engine}/status").read_text(),
+            lambda: "the engine process did not stop on SIGSTOP",
+        )
+        pending.start()
+        wait_until(lambda: len(pending.events) > 0, lambda: f"the second stream never started: {pending.error!r}")
+        assert pending.tokens() == 0
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_until(lambda: server.health() != 200, lambda: "/health still answers 200 after SIGTERM", 10)
         try:
-            late = keep_alive.post(
+            late = httpx.post(
                 server.url + "/v1/chat/completions",
                 headers=server.headers,
-                json={"messages": [{"role": "user", "content": "late"}]},
+                json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 2},
+                timeout=10,
             )
-            assert late.status_code == 503
-        except httpx.TransportError:
-            pass  # or the connection is already closed: either way it is not served
-        worker.join(60)
-        assert result["status"] == 200
-        assert result["body"]["usage"]["completion_tokens"] == 200
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # or the listener is already closed: either way it is not served
+        os.kill(engine, signal.SIGCONT)
+        for reader in (started, pending):
+            reader.join(120)
+            assert not reader.is_alive(), "a stream hung during the drain"
+            assert reader.error is None and reader.done
+            assert reader.finish_reasons() == ["length"]
+            assert reader.tokens() == DRAINED_TOKENS
+            assert reader.events[-1]["usage"]["completion_tokens"] == DRAINED_TOKENS
         # uvicorn re-raises the SIGTERM it drained on, the conventional exit status for it.
         assert server.process.wait(30) in (0, -signal.SIGTERM)
         assert not alive(engine)
     finally:
+        if alive(engine):
+            os.kill(engine, signal.SIGCONT)
         server.stop()
 
 
