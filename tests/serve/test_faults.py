@@ -5,7 +5,9 @@ What the engine holds is read from its own numbers: the running and waiting gaug
 KV-cache usage on /metrics are the engine process's latest stats message, sent every
 STATS_INTERVAL_S (0.5 s) between steps. One read may be that old, so a test never trusts a
 single read: it waits (with a deadline) for the engine to report the request it is about to
-drop, then for a later report without it. Stats arrive in the order they are sent."""
+drop, then for a later report without it. Stats arrive in the order they are sent. That an
+aborted request never ran afterwards (it might finish by itself before any deadline) is read
+from the engine's counters of requests taken off its queue and of images looked up."""
 
 from __future__ import annotations
 
@@ -31,13 +33,31 @@ from tests.serve.conftest import Server, data_url, image_message, picture, segme
 from vlmserve.serve import shm
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+# On the one-at-a-time server: 8 samples of 3000 tokens run one after another, for far longer
+# than a test holds them, so what queues behind such a request stays queued.
+BUSY = {**LONG, "n": 8}
 GAUGES = {
     "running": "vlmserve_num_requests_running",  # the engine's
     "waiting": "vlmserve_num_requests_waiting",  # the engine's
     "kv": "vlmserve_kv_cache_usage_ratio",  # the engine's
     "in_flight": "vlmserve_requests_in_flight",  # the API process's own, always current
+    # The engine's, since it started. Prompt tokens looked up in the prefix cache: they grow
+    # each time a request is taken off the queue to run.
+    "admitted_tokens": "vlmserve_prefix_cache_queries",
+    # Once per (request, image) scheduled, unless the image's placeholders are all in the
+    # prefix cache: an unseen picture is looked up when, and only when, its request runs.
+    "encoder_hits": "vlmserve_encoder_cache_hits",
+    "encoder_misses": "vlmserve_encoder_cache_misses",
 }
 IDLE = {"running": 0.0, "waiting": 0.0, "kv": 0.0, "in_flight": 0.0}
+
+
+def idle(state: dict[str, float]) -> bool:
+    return {key: state[key] for key in IDLE} == IDLE
+
+
+def image_lookups(state: dict[str, float]) -> float:
+    return state["encoder_hits"] + state["encoder_misses"]
 
 
 def metric(server: Server, name: str) -> float:
@@ -48,7 +68,7 @@ def metric(server: Server, name: str) -> float:
 
 
 def engine_state(server: Server) -> dict[str, float]:
-    """The gauges of GAUGES from one /metrics read (so the engine's three are one snapshot)."""
+    """The gauges of GAUGES from one /metrics read (so the engine's are one snapshot)."""
     values = {}
     for line in server.get("/metrics").text.splitlines():
         name, _, value = line.partition(" ")
@@ -78,9 +98,9 @@ def wait_for_state(
     return dict(state)
 
 
-def wait_idle(server: Server, timeout: float = 30.0) -> None:
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
     """The engine runs and queues nothing and holds no KV block; the API serves nothing."""
-    wait_for_state(server, "running nothing and holding no KV block", lambda s: s == IDLE, timeout)
+    return wait_for_state(server, "running nothing and holding no KV block", idle, timeout)
 
 
 def alive(pid: int) -> bool:
@@ -239,48 +259,55 @@ def test_client_leaving_mid_stream_frees_every_sample_in_the_engine(small: Serve
         for line in response.iter_lines():
             if has_content(line):
                 # Sample 0 runs and holds KV blocks (image and text), samples 1 and 2 wait.
-                wait_for_state(
+                busy = wait_for_state(
                     small,
                     "one sample running on KV blocks, two queued",
                     lambda s: (s["running"], s["waiting"]) == (1, 2) and s["kv"] > 0,
                 )
                 break  # the client goes away mid-stream
-    wait_idle(small)
+    after = wait_idle(small)
+    # Samples 1 and 2 were aborted in the queue: none was taken off it to run.
+    assert after["admitted_tokens"] == busy["admitted_tokens"]
     assert segments_left() == []
 
 
 def test_client_leaving_a_non_streamed_request_frees_its_kv_blocks(small: Server) -> None:
     wait_idle(small)
-    request = RawRequest(small, {"messages": [{"role": "user", "content": "go"}], **LONG})
+    request = RawRequest(small, {"messages": [{"role": "user", "content": "go"}], **BUSY})
     try:
-        wait_for_state(small, "the request running on KV blocks", lambda s: s["running"] == 1 and s["kv"] > 0)
+        busy = wait_for_state(
+            small,
+            "one sample running on KV blocks, seven queued",
+            lambda s: (s["running"], s["waiting"]) == (1, 7) and s["kv"] > 0,
+        )
+        assert not request.answered()
     finally:
         request.leave()
-    wait_idle(small)
+    after = wait_idle(small)
+    # The seven queued samples were aborted in the queue: none was taken off it to run.
+    assert after["admitted_tokens"] == busy["admitted_tokens"]
 
 
 def test_client_leaving_while_queued_leaves_the_engine_queue(small: Server) -> None:
     wait_idle(small)
-    first = RawRequest(small, {"messages": [{"role": "user", "content": "a"}], **LONG})
+    first = RawRequest(small, {"messages": [{"role": "user", "content": "a"}], **BUSY})
     second = None
     try:
-        wait_for_state(small, "the first request running", lambda s: s["running"] == 1)
-        second = RawRequest(small, {"messages": [{"role": "user", "content": "b"}], **LONG})
-        wait_for_state(small, "the second request queued", lambda s: (s["running"], s["waiting"]) == (1, 1))
+        wait_for_state(small, "the first request's samples", lambda s: (s["running"], s["waiting"]) == (1, 7))
+        # Behind seven samples of 3000 tokens: it cannot be scheduled while the test runs.
+        second = RawRequest(small, {"messages": image_message(data_url(picture(11))), **LONG})
+        queued = wait_for_state(small, "the second request queued", lambda s: (s["running"], s["waiting"]) == (1, 8))
         second.leave()
-        wait_for_state(
-            small,
-            "an empty queue, the first request still running",
-            lambda s: (s["running"], s["waiting"], s["in_flight"]) == (1, 0, 1) and s["kv"] > 0,
-        )
-        # The first request has not been answered: the one running is still it, so the second
-        # left the queue because it was aborted, not because it was scheduled.
+        wait_until(lambda: engine_state(small)["in_flight"] == 1, lambda: "the API still serves the second request")
         assert not first.answered()
     finally:
         first.leave()
         if second is not None:
             second.leave()
-    wait_idle(small)
+    after = wait_idle(small)
+    # The second request's picture, seen nowhere before, was never looked up: the second request
+    # never ran, its abort took it off the queue.
+    assert image_lookups(after) == image_lookups(queued)
 
 
 def test_client_leaving_while_its_media_is_fetched_ends_the_fetch(
@@ -304,9 +331,9 @@ def test_past_the_queue_limit_429_without_waiting_for_a_slot(small: Server) -> N
     wait_idle(small)
     held = []
     try:
-        for text in ("a", "b"):
-            held.append(RawRequest(small, {"messages": [{"role": "user", "content": text}], **LONG}))
-        wait_for_state(small, "both requests in the engine", lambda s: (s["running"], s["waiting"]) == (1, 1))
+        held.append(RawRequest(small, {"messages": [{"role": "user", "content": "a"}], **BUSY}))
+        held.append(RawRequest(small, {"messages": [{"role": "user", "content": "b"}], **LONG}))
+        wait_for_state(small, "both requests in the engine", lambda s: (s["running"], s["waiting"]) == (1, 8))
         response = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "y"}], "max_tokens": 2})
         assert response.status_code == 429
         assert response.json()["error"]["type"] == "rate_limit_error"
@@ -338,7 +365,8 @@ def test_engine_death_errors_in_flight_then_restarts(tiny_dir: Path, tmp_path: P
         assert "error" in reader.events[-1] and reader.events[-1]["error"]["type"] == "service_unavailable"
         assert reader.done
         # The dead engine's last numbers are gone: nothing runs, nothing holds KV blocks.
-        assert engine_state(server) == IDLE
+        state = engine_state(server)
+        assert idle(state), state
         wait_until(lambda: server.health() != 200, lambda: "/health still answers 200 with the engine dead", 10)
         refused = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         assert refused.status_code == 503
