@@ -72,7 +72,7 @@ class EngineClient:
         self.output_processor = OutputProcessor(frontend.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.segments: dict[str, list[str]] = {}  # request id -> segments the engine may not have taken yet
-        self.stats: Stats | None = None
+        self.stats: Stats | None = None  # the running engine's latest; None while none runs
         self.ready = asyncio.Event()
         self.memory_plan = ""
         self._dir = Path(tempfile.mkdtemp(prefix="vlmserve-ipc-"))  # 0700: only this user reaches the sockets
@@ -272,7 +272,8 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(RequestRefused(message.message))
         elif isinstance(message, Stats):
-            self.stats = message
+            if self.ready.is_set():  # not the last words of a dead engine, read after its death
+                self.stats = message
         elif isinstance(message, Ready):
             self.memory_plan = message.memory_plan
             self.ready.set()
@@ -282,6 +283,7 @@ class EngineClient:
         code = self._process.returncode if self._process else None
         logger.error("the engine process exited (code %s)", code)
         self.ready.clear()
+        self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.output_processor.abort(request_id)
             queue.put_nowait(EngineDeadError("the engine process died while serving this request"))
