@@ -1,27 +1,64 @@
 """Processes and cancellation (BAD_INPUTS 21-28) against real servers: clients that go away,
-an engine that dies, an API process that dies, SIGTERM, overload, a crashed run's segments."""
+an engine that dies, an API process that dies, SIGTERM, overload, a crashed run's segments.
+
+What the engine holds is read from its own numbers: the running and waiting gauges and the
+KV-cache usage on /metrics are the engine process's latest stats message, sent every
+STATS_INTERVAL_S (0.5 s) between steps. One read may be that old, so a test never trusts a
+single read: it waits (with a deadline) for the engine to report the request it is about to
+drop, then for a later report without it. Stats arrive in the order they are sent. That an
+aborted request never ran afterwards (it might finish by itself before any deadline) is read
+from the engine's counters of requests taken off its queue and of images looked up."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
 from tests.serve.conftest import Server, data_url, image_message, picture, segments_left, start_server
-from tests.serve.upstream import serve
 from vlmserve.serve import shm
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+# On the one-at-a-time server: 8 samples of 3000 tokens run one after another, for far longer
+# than a test holds them, so what queues behind such a request stays queued.
+BUSY = {**LONG, "n": 8}
+GAUGES = {
+    "running": "vlmserve_num_requests_running",  # the engine's
+    "waiting": "vlmserve_num_requests_waiting",  # the engine's
+    "kv": "vlmserve_kv_cache_usage_ratio",  # the engine's
+    "in_flight": "vlmserve_requests_in_flight",  # the API process's own, always current
+    # The engine's, since it started. Prompt tokens looked up in the prefix cache: they grow
+    # each time a request is taken off the queue to run.
+    "admitted_tokens": "vlmserve_prefix_cache_queries",
+    # Once per (request, image) scheduled, unless the image's placeholders are all in the
+    # prefix cache: an unseen picture is looked up when, and only when, its request runs.
+    "encoder_hits": "vlmserve_encoder_cache_hits",
+    "encoder_misses": "vlmserve_encoder_cache_misses",
+}
+IDLE = {"running": 0.0, "waiting": 0.0, "kv": 0.0, "in_flight": 0.0}
+
+
+def idle(state: dict[str, float]) -> bool:
+    return {key: state[key] for key in IDLE} == IDLE
+
+
+def image_lookups(state: dict[str, float]) -> float:
+    return state["encoder_hits"] + state["encoder_misses"]
 
 
 def metric(server: Server, name: str) -> float:
@@ -31,19 +68,40 @@ def metric(server: Server, name: str) -> float:
     raise KeyError(name)
 
 
-def wait_idle(server: Server, timeout: float = 3.0) -> float:
-    """Seconds until the engine runs nothing and the API serves nothing (the engine reports
-    its state every 0.5 s)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if (
-            metric(server, "vlmserve_num_requests_running") == 0
-            and metric(server, "vlmserve_num_requests_waiting") == 0
-            and metric(server, "vlmserve_requests_in_flight") == 0
-        ):
-            return time.monotonic() - start
-        time.sleep(0.1)
-    raise AssertionError("requests still running after the clients left")
+def engine_state(server: Server) -> dict[str, float]:
+    """The gauges of GAUGES from one /metrics read (so the engine's are one snapshot)."""
+    values = {}
+    for line in server.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return {key: float(values[name]) for key, name in GAUGES.items()}
+
+
+def wait_until(done: Callable[[], bool], failure: Callable[[], str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout:g} s: {failure()}")
+        time.sleep(0.05)
+
+
+def wait_for_state(
+    server: Server, what: str, ok: Callable[[dict[str, float]], bool], timeout: float = 30.0
+) -> dict[str, float]:
+    """The first state read that satisfies `ok`; fails naming `what` and the last state read."""
+    state: dict[str, float] = {}
+
+    def check() -> bool:
+        state.update(engine_state(server))
+        return ok(state)
+
+    wait_until(check, lambda: f"the engine never reported {what}; last read: {state}", timeout)
+    return dict(state)
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """The engine runs and queues nothing and holds no KV block; the API serves nothing."""
+    return wait_for_state(server, "running nothing and holding no KV block", idle, timeout)
 
 
 def alive(pid: int) -> bool:
@@ -54,17 +112,121 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in state  # a zombie has exited
 
 
+class RawRequest:
+    """A chat completion POSTed on a connection of its own that the test drops when it likes:
+    a client that goes away without reading the answer."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        host, port = server.url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items()) + "\r\n"
+        )
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock.sendall(head.encode() + payload)
+
+    def answered(self) -> bool:
+        """Whether any byte of an answer (or the connection's end) has arrived; never waits."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
+
+    def leave(self) -> None:
+        self.sock.close()
+
+
+class StreamReader(threading.Thread):
+    """Reads one streamed chat completion to its end in the background: every JSON event, and
+    whether `data: [DONE]` came."""
+
+    def __init__(self, server: Server, body: dict, on_first_token: Callable[[], None] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.server, self.body = server, body
+        self.on_first_token = on_first_token
+        self.events: list[dict] = []
+        self.done = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with (
+                httpx.Client(timeout=120) as client,
+                client.stream(
+                    "POST",
+                    self.server.url + "/v1/chat/completions",
+                    json={**self.body, "stream": True},
+                    headers=self.server.headers,
+                ) as response,
+            ):
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        if self.on_first_token is not None and self.tokens() > 0:
+                            self.on_first_token()
+                            self.on_first_token = None
+        except Exception as e:  # the test reads it
+            self.error = e
+
+    def tokens(self) -> int:
+        """Tokens received so far: one logprobs entry each (the body asks for logprobs)."""
+        return sum(
+            len(choice["logprobs"]["content"])
+            for event in list(self.events)
+            for choice in event.get("choices", [])
+            if choice.get("logprobs")
+        )
+
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in list(self.events) for c in e.get("choices", []) if c.get("finish_reason")]
+
+
+class HoldingHost(http.server.BaseHTTPRequestHandler):
+    """A media host that sends the start of a 1000-byte image, then holds the connection open
+    until the fetcher hangs up. Each GET appends an Event to `fetches`, set once its fetcher
+    has closed the connection."""
+
+    fetches: ClassVar[list[threading.Event]]
+
+    def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def do_GET(self) -> None:
+        closed = threading.Event()
+        self.fetches.append(closed)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"\x89PNG\r\n\x1a\n")
+        self.wfile.flush()
+        self.connection.settimeout(600)
+        try:
+            while self.connection.recv(1024):
+                pass
+        except OSError:
+            return  # still open when the host gave up
+        closed.set()
+
+
 @pytest.fixture(scope="module")
-def drip() -> Iterator[int]:
-    """A media host that answers one byte per second."""
-    httpd, _ = serve(drip_interval=1.0)
-    yield httpd.server_address[1]
+def host() -> Iterator[tuple[int, list[threading.Event]]]:
+    fetches: list[threading.Event] = []
+    handler = type("Host", (HoldingHost,), {"fetches": fetches})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1], fetches
     httpd.shutdown()
+    httpd.server_close()
 
 
 @pytest.fixture(scope="module")
-def small(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, drip: int) -> Iterator[Server]:
-    """One request at a time, two in flight at most; the drip server may be fetched from."""
+def small(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, host: tuple[int, list[threading.Event]]
+) -> Iterator[Server]:
+    """One request runs at a time, two in flight at most; media may be fetched from `host`
+    (for up to 120 s: far longer than any test waits)."""
     s = start_server(
         tiny_dir,
         tmp_path_factory.mktemp("small"),
@@ -73,128 +235,147 @@ def small(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, drip: int) -
         "--max-queue",
         "2",
         "--allow-media-network",
-        f"127.0.0.1/32:{drip}",
+        f"127.0.0.1/32:{host[0]}",
         "--media-fetch-timeout",
-        "30",
+        "120",
     )
     yield s
     s.stop()
 
 
-def stream_then_leave(server: Server, body: dict, chunks: int) -> None:
+def has_content(line: str) -> bool:
+    if not line.startswith("data: {"):
+        return False
+    return any(choice["delta"].get("content") for choice in json.loads(line[6:]).get("choices", []))
+
+
+def test_client_leaving_mid_stream_frees_every_sample_in_the_engine(small: Server) -> None:
+    wait_idle(small)
+    body = {"messages": image_message(data_url(picture(5))), **LONG, "n": 3, "stream": True}
     with (
-        httpx.Client(timeout=30) as client,
-        client.stream(
-            "POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=server.headers
-        ) as response,
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", small.url + "/v1/chat/completions", json=body, headers=small.headers) as response,
     ):
         assert response.status_code == 200
-        for i, _ in enumerate(response.iter_lines()):
-            if i >= chunks:
+        for line in response.iter_lines():
+            if has_content(line):
+                # Sample 0 runs and holds KV blocks (image and text), samples 1 and 2 wait.
+                busy = wait_for_state(
+                    small,
+                    "one sample running on KV blocks, two queued",
+                    lambda s: (s["running"], s["waiting"]) == (1, 2) and s["kv"] > 0,
+                )
                 break  # the client goes away mid-stream
-
-
-def post_then_leave(server: Server, body: dict, after: float) -> None:
-    with httpx.Client(timeout=after) as client, pytest.raises(httpx.ReadTimeout):
-        client.post(server.url + "/v1/chat/completions", json=body, headers=server.headers)
-
-
-def test_client_leaving_mid_stream_aborts_every_sample(small: Server) -> None:
-    body = {"messages": image_message(data_url(picture(5))), **LONG, "n": 3}
-    stream_then_leave(small, body, chunks=8)
-    assert wait_idle(small) < 3
+    after = wait_idle(small)
+    # Samples 1 and 2 were aborted in the queue: none was taken off it to run.
+    assert after["admitted_tokens"] == busy["admitted_tokens"]
     assert segments_left() == []
 
 
-def test_client_leaving_a_non_streamed_request(small: Server) -> None:
-    post_then_leave(small, {"messages": [{"role": "user", "content": "go"}], **LONG}, after=1.0)
-    assert wait_idle(small) < 3
-
-
-def test_client_leaving_while_queued(small: Server) -> None:
-    results: list[int] = []
-    running = threading.Thread(
-        target=lambda: results.append(
-            small.post(
-                "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "a"}], "max_tokens": 150, "ignore_eos": True},
-            ).status_code
+def test_client_leaving_a_non_streamed_request_frees_its_kv_blocks(small: Server) -> None:
+    wait_idle(small)
+    request = RawRequest(small, {"messages": [{"role": "user", "content": "go"}], **BUSY})
+    try:
+        busy = wait_for_state(
+            small,
+            "one sample running on KV blocks, seven queued",
+            lambda s: (s["running"], s["waiting"]) == (1, 7) and s["kv"] > 0,
         )
-    )
-    running.start()
-    time.sleep(0.5)
-    post_then_leave(small, {"messages": [{"role": "user", "content": "b"}], **LONG}, after=1.0)  # waits behind it
-    running.join()
-    assert results == [200]
-    assert wait_idle(small) < 3
+        assert not request.answered()
+    finally:
+        request.leave()
+    after = wait_idle(small)
+    # The seven queued samples were aborted in the queue: none was taken off it to run.
+    assert after["admitted_tokens"] == busy["admitted_tokens"]
 
 
-def test_client_leaving_while_its_media_is_fetched(small: Server, drip: int) -> None:
-    body = {"messages": image_message(f"http://127.0.0.1:{drip}/drip"), "max_tokens": 2}
-    post_then_leave(small, body, after=1.5)
-    assert wait_idle(small) < 3
+def test_client_leaving_while_queued_leaves_the_engine_queue(small: Server) -> None:
+    wait_idle(small)
+    first = RawRequest(small, {"messages": [{"role": "user", "content": "a"}], **BUSY})
+    second = None
+    try:
+        wait_for_state(small, "the first request's samples", lambda s: (s["running"], s["waiting"]) == (1, 7))
+        # Behind seven samples of 3000 tokens: it cannot be scheduled while the test runs.
+        second = RawRequest(small, {"messages": image_message(data_url(picture(11))), **LONG})
+        queued = wait_for_state(small, "the second request queued", lambda s: (s["running"], s["waiting"]) == (1, 8))
+        second.leave()
+        wait_until(lambda: engine_state(small)["in_flight"] == 1, lambda: "the API still serves the second request")
+        assert not first.answered()
+    finally:
+        first.leave()
+        if second is not None:
+            second.leave()
+    after = wait_idle(small)
+    # The second request's picture, seen nowhere before, was never looked up: the second request
+    # never ran, its abort took it off the queue.
+    assert image_lookups(after) == image_lookups(queued)
+
+
+def test_client_leaving_while_its_media_is_fetched_ends_the_fetch(
+    small: Server, host: tuple[int, list[threading.Event]]
+) -> None:
+    port, fetches = host
+    wait_idle(small)
+    before = len(fetches)
+    request = RawRequest(small, {"messages": image_message(f"http://127.0.0.1:{port}/held.png"), **LONG})
+    try:
+        wait_until(lambda: len(fetches) > before, lambda: "the server never fetched the image")
+    finally:
+        request.leave()
+    # Left alone, the fetch would wait for the rest of the image until its 120 s timeout.
+    wait_until(fetches[-1].is_set, lambda: "the server kept fetching for a client that had gone")
+    wait_idle(small)
     assert segments_left() == []
 
 
-def test_past_the_queue_limit_429_at_once(small: Server) -> None:
-    threads = [
-        threading.Thread(
-            target=lambda: small.post(
-                "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "x"}], "max_tokens": 120, "ignore_eos": True},
-            )
-        )
-        for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    start = time.monotonic()
-    response = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "y"}], "max_tokens": 2})
-    assert response.status_code == 429 and time.monotonic() - start < 1
-    assert response.json()["error"]["type"] == "rate_limit_error"
-    for t in threads:
-        t.join()
+def test_past_the_queue_limit_429_without_waiting_for_a_slot(small: Server) -> None:
+    wait_idle(small)
+    held = []
+    try:
+        held.append(RawRequest(small, {"messages": [{"role": "user", "content": "a"}], **BUSY}))
+        held.append(RawRequest(small, {"messages": [{"role": "user", "content": "b"}], **LONG}))
+        wait_for_state(small, "both requests in the engine", lambda s: (s["running"], s["waiting"]) == (1, 8))
+        response = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "y"}], "max_tokens": 2})
+        assert response.status_code == 429
+        assert response.json()["error"]["type"] == "rate_limit_error"
+        # Refused while both requests ahead of it still go on: it never waited for a slot.
+        assert not any(r.answered() for r in held)
+    finally:
+        for r in held:
+            r.leave()
+    wait_idle(small)
     assert small.health() == 200
 
 
 def test_engine_death_errors_in_flight_then_restarts(tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dir, tmp_path)
     try:
-        events: list[dict] = []
-
-        def stream() -> None:
-            with (
-                httpx.Client(timeout=60) as client,
-                client.stream(
-                    "POST",
-                    server.url + "/v1/chat/completions",
-                    headers=server.headers,
-                    json={"messages": [{"role": "user", "content": "x"}], **LONG, "stream": True},
-                ) as response,
-            ):
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        events.append(json.loads(line[6:]))
-
-        reader = threading.Thread(target=stream)
+        reader = StreamReader(server, {"messages": [{"role": "user", "content": "x"}], **LONG, "logprobs": True})
         reader.start()
-        while len(events) < 5:
-            time.sleep(0.05)
+        wait_until(
+            lambda: reader.tokens() >= 5 or not reader.is_alive(),
+            lambda: f"5 tokens not streamed; {reader.tokens()} came",
+            timeout=60,
+        )
+        assert reader.tokens() >= 5, f"the stream ended early: {reader.error!r} {reader.events[-1:]}"
+        wait_for_state(server, "the request running on KV blocks", lambda s: s["running"] == 1 and s["kv"] > 0)
         engine = server.engine_pid()
         os.kill(engine, signal.SIGKILL)
-        reader.join(10)
+        reader.join(30)
         assert not reader.is_alive(), "the stream hung after the engine died"
-        assert "error" in events[-1] and events[-1]["error"]["type"] == "service_unavailable"
-        start = time.monotonic()
-        while server.health() == 200 and time.monotonic() - start < 2:
-            time.sleep(0.05)
+        assert "error" in reader.events[-1] and reader.events[-1]["error"]["type"] == "service_unavailable"
+        assert reader.done
+        # The dead engine's last numbers are gone: nothing runs, nothing holds KV blocks.
+        state = engine_state(server)
+        assert idle(state), state
+        wait_until(lambda: server.health() != 200, lambda: "/health still answers 200 with the engine dead", 10)
         refused = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         assert refused.status_code == 503
         server.wait_healthy(60)  # restarted
         assert server.engine_pid() != engine
         ok = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
         assert ok.status_code == 200
+        wait_idle(server)
         assert metric(server, "vlmserve_engine_restarts") == 1
         assert segments_left() == []
     finally:
@@ -212,59 +393,85 @@ def test_api_process_death_ends_the_engine(tiny_dir: Path, tmp_path: Path) -> No
     assert not alive(engine)
 
 
-def test_sigterm_finishes_in_flight_and_refuses_new(tiny_dir: Path, tmp_path: Path) -> None:
+DRAINED_TOKENS = 100
+
+
+def test_start_sweeps_orphan_segments_and_sigterm_drains_in_flight_streams_and_refuses_new(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     # A crashed run left a segment behind: the next start sweeps it.
     code = "import numpy as np; from vlmserve.serve import shm; print(shm.write_array(np.ones(8, np.float32)).name)"
     orphan = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert orphan in shm.list_segments()
     server = start_server(tiny_dir, tmp_path)
     assert orphan not in shm.list_segments()
+    engine = server.engine_pid()
+    body = {
+        "max_tokens": DRAINED_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+    # `started` has tokens when the engine is frozen (SIGSTOP, sent the moment its first token
+    # arrives); `pending` is admitted while the engine is frozen, so it provably has not one
+    # token computed when SIGTERM comes. Both must then be streamed to their last token.
+    started = StreamReader(
+        server,
+        body | {"messages": [{"role": "user", "content": "x"}]},
+        on_first_token=lambda: os.kill(engine, signal.SIGSTOP),
+    )
+    pending = StreamReader(server, body | {"messages": [{"role": "user", "content": "y"}]})
     try:
-        result: dict = {}
-
-        def long_request() -> None:
-            r = server.post(
-                "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "ignore_eos": True},
-            )
-            result["status"], result["body"] = r.status_code, r.json()
-
-        engine = server.engine_pid()
-        keep_alive = httpx.Client(timeout=10)
-        assert keep_alive.get(server.url + "/health").status_code == 200
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        time.sleep(0.5)
+        started.start()
+        wait_until(lambda: started.tokens() > 0, lambda: f"no token streamed: {started.error!r}", timeout=60)
+        wait_until(
+            lambda: "\nState:\tT" in Path(f"/proc/{engine}/status").read_text(),
+            lambda: "the engine process did not stop on SIGSTOP",
+        )
+        pending.start()
+        wait_until(lambda: len(pending.events) > 0, lambda: f"the second stream never started: {pending.error!r}")
+        assert pending.tokens() == 0
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_until(lambda: server.health() != 200, lambda: "/health still answers 200 after SIGTERM", 10)
         try:
-            late = keep_alive.post(
+            late = httpx.post(
                 server.url + "/v1/chat/completions",
                 headers=server.headers,
-                json={"messages": [{"role": "user", "content": "late"}]},
+                json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 2},
+                timeout=10,
             )
-            assert late.status_code == 503
-        except httpx.TransportError:
-            pass  # or the connection is already closed: either way it is not served
-        worker.join(60)
-        assert result["status"] == 200
-        assert result["body"]["usage"]["completion_tokens"] == 200
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # or the listener is already closed: either way it is not served
+        os.kill(engine, signal.SIGCONT)
+        for reader in (started, pending):
+            reader.join(120)
+            assert not reader.is_alive(), "a stream hung during the drain"
+            assert reader.error is None and reader.done
+            assert reader.finish_reasons() == ["length"]
+            assert reader.tokens() == DRAINED_TOKENS
+            assert reader.events[-1]["usage"]["completion_tokens"] == DRAINED_TOKENS
         # uvicorn re-raises the SIGTERM it drained on, the conventional exit status for it.
         assert server.process.wait(30) in (0, -signal.SIGTERM)
         assert not alive(engine)
     finally:
+        if alive(engine):
+            os.kill(engine, signal.SIGCONT)
         server.stop()
 
 
 def test_garbage_on_the_engine_socket_is_dropped(tiny_dir: Path) -> None:
+    from vlmserve.engine.checkpoint import load_engine_model
     from vlmserve.engine.config import EngineConfig
     from vlmserve.engine.core import EngineCore
-    from vlmserve.engine.frontend import load_frontend
+    from vlmserve.multimodal.inputs import ProcessedPrompt
+    from vlmserve.sampling_params import SamplingParams
     from vlmserve.serve.engine_process import EngineLoop
-    from vlmserve.serve.messages import AddRequest, SamplingSpec, encoder
+    from vlmserve.serve.messages import AddRequest, encoder
 
     config = EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 20)
-    core = EngineCore(config, load_frontend(config))
+    core = EngineCore(config, load_engine_model(config, [151645]))
     sent: list[bytes] = []
 
     class Push:
@@ -278,12 +485,39 @@ def test_garbage_on_the_engine_socket_is_dropped(tiny_dir: Path) -> None:
         np.random.default_rng(0).bytes(512),
         b"\x81\xa4type\xa3add",
         encoder.encode({"type": "add", "request_id": 5}),
+        # Sampling parameters the engine cannot represent are refused while decoding.
+        encoder.encode(
+            {
+                "type": "add",
+                "request_id": "r",
+                "child_ids": ["r"],
+                "params": [{"temperature": -1.0, "stop_strings": []}],
+                "prompt": {"prompt_token_ids": [1], "mm_items": [], "mrope_positions": None, "mrope_delta": 0},
+                "segments": [],
+            }
+        ),
+        # A tensor extension whose bytes do not match its shape.
+        encoder.encode(
+            {
+                "type": "add",
+                "request_id": "r",
+                "child_ids": ["r"],
+                "params": [],
+                "prompt": {
+                    "prompt_token_ids": [1],
+                    "mm_items": [],
+                    "mrope_positions": msgspec.msgpack.Ext(1, b"\x03\x01" + (5).to_bytes(8, "little")),
+                    "mrope_delta": 0,
+                },
+                "segments": [],
+            }
+        ),
     ):
         loop._handle(garbage)
     assert not core.has_unfinished_requests() and sent == []
-    spec = SamplingSpec(0.0, 1.0, 0, 3, None, [], False)
+    spec = SamplingParams(temperature=0.0, max_tokens=3)
     segment = shm.write_array(np.zeros((4, 1176), np.float32))
-    bad = AddRequest("r", ["r"], [spec], [1, 2, 3], [])
+    bad = AddRequest("r", ["r"], [spec], ProcessedPrompt([1, 2, 3], [], None, 0), [])
     loop._handle(encoder.encode(bad))  # a well-formed request is still served
     assert core.has_unfinished_requests()
     shm.unlink(segment.name)

@@ -59,7 +59,7 @@ class EngineClient:
         self.detokenizer = Detokenizer(frontend.tokenizer)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.segments: dict[str, list[str]] = {}  # request id -> segments the engine may not have taken yet
-        self.stats: Stats | None = None
+        self.stats: Stats | None = None  # the running engine's latest; None while none runs
         self._dir = Path(tempfile.mkdtemp(prefix="vlmserve-ipc-"))  # 0700: only this user reaches the sockets
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
@@ -193,12 +193,14 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(RequestRefused(message.message))
         elif isinstance(message, Stats):
-            self.stats = message
+            if self.engine.ready.is_set():  # not the last words of a dead engine, read after its death
+                self.stats = message
         elif isinstance(message, Ready):
             self.engine.mark_ready(message.memory_plan)
 
     async def _engine_died(self) -> None:
         self.engine.died()
+        self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.detokenizer.abort(request_id)
             queue.put_nowait(EngineDeadError("the engine process died while serving this request"))

@@ -1,5 +1,5 @@
 """Prometheus metrics of the server (GET /metrics): its own counters, and the engine's numbers
-as of its latest stats message."""
+as of its latest stats message (sent every 0.5 s; all zero while no engine runs)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Metrics:
 
     def update_engine(self, stats: Stats | None, restarts: int) -> None:
         self.engine_restarts.set(restarts)
-        if stats is None:
-            return
+        if stats is None:  # no engine running (not yet, or not any more): it runs and holds nothing
+            stats = Stats(0, 0, 0.0, 0, 0, 0, 0, 0)
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_cache_usage)
