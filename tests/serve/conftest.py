@@ -112,6 +112,7 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, api_key: str | None = 
         *extra,
     ]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+    _OUR_PIDS.add(process.pid)
     server = Server(process, f"http://127.0.0.1:{port}", api_key, log)
     try:
         server.wait_healthy()
@@ -144,5 +145,11 @@ def picture(seed: int = 1, size: tuple[int, int] = (120, 80)) -> Image.Image:
     return random_image(*size, seed=seed)
 
 
+# This test session's processes: itself and the servers it started. Only their segments are the
+# tests' business; another vlmserve on the same machine (another checkout's tests) has its own.
+_OUR_PIDS: set[int] = {os.getpid()}
+
+
 def segments_left() -> list[str]:
-    return shm.list_segments()
+    """Shared-memory segments written by this session's processes and not yet removed."""
+    return [name for name in shm.list_segments() if int(name.split("-")[1]) in _OUR_PIDS]
