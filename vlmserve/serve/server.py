@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.serve import shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.fetch import FetchPolicy
@@ -76,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-video-frames", type=int, default=36_000, help="frames a video may hold (counted before decoding)"
     )
+    p.add_argument(
+        "--max-shm-bytes",
+        type=int,
+        default=None,
+        help="bytes of image pixels in /dev/shm at once, over which a request gets 503 (413 if it alone is over; "
+        "default: half of /dev/shm's size)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
@@ -120,6 +128,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
             max_video_frames=args.max_video_frames,
         ),
     )
+    shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
     client = EngineClient(config, frontend, threads=args.engine_threads, max_restarts=args.max_engine_restarts)
     ctx = ServingContext(
