@@ -1,6 +1,6 @@
 """Admission and connection hygiene against a real server (issue 13, items 2 and 8): clients
 that send headers and then nothing, half a request line, or nothing at all; oversized chunked
-bodies; doubled Authorization headers.
+bodies; doubled Authorization headers; requests that come during the SIGTERM drain.
 
 A stalled request is observed, not assumed: each sends `Expect: 100-continue`, and the server
 answers `100 Continue` only once the application is reading its body, so the test knows the
@@ -8,9 +8,14 @@ server holds every stalled request before it sends the normal one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -139,3 +144,56 @@ def test_two_authorization_headers_are_refused_even_if_one_is_right(guarded: Ser
         assert response.status_code == 400, (pair, response.text)
         assert "Authorization" in response.json()["error"]["message"]
     assert guarded.post(CHAT, GREEDY).status_code == 200
+
+
+def wait_until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
+def test_during_the_sigterm_drain_new_requests_get_503_while_the_one_in_flight_finishes(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    server = start_server(tiny_dir, tmp_path)
+    engine = server.engine_pid()
+    body = {**GREEDY, "max_tokens": 40, "ignore_eos": True, "logprobs": True}
+    alone = server.post(CHAT, body).json()["choices"][0]["logprobs"]["content"]
+    tokens: list[str] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", server.url + CHAT, json={**body, "stream": True}, headers=server.headers) as r,
+        ):
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done.set()
+                elif line.startswith("data: "):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        for entry in (choice.get("logprobs") or {}).get("content", []):
+                            if not tokens:
+                                os.kill(engine, signal.SIGSTOP)  # holds the stream in flight
+                            tokens.append(entry["token"])
+
+    reader = threading.Thread(target=stream, daemon=True)
+    try:
+        reader.start()
+        wait_until(lambda: "\nState:\tT" in Path(f"/proc/{engine}/status").read_text(), "the engine never stopped")
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: server.health() == 503, "/health never answered 503 during the drain")
+        late = server.post(CHAT, GREEDY)
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["code"] == "shutting_down"
+        os.kill(engine, signal.SIGCONT)
+        reader.join(120)
+        assert done.is_set() and tokens == [entry["token"] for entry in alone]
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGCONT)
+        server.stop()
+    assert segments_left() == []
