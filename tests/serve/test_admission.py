@@ -43,6 +43,8 @@ def guarded(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         str(READ_TIMEOUT),
         "--max-body-bytes",
         str(1 << 20),
+        "--log-level",
+        "info",
     )
     yield s
     s.stop()
@@ -146,6 +148,13 @@ def test_two_authorization_headers_are_refused_even_if_one_is_right(guarded: Ser
     assert guarded.post(CHAT, GREEDY).status_code == 200
 
 
+def metric(server: Server, name: str) -> float:
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 def wait_until(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -196,4 +205,27 @@ def test_during_the_sigterm_drain_new_requests_get_503_while_the_one_in_flight_f
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine, signal.SIGCONT)
         server.stop()
+    assert segments_left() == []
+
+
+def test_a_client_leaving_before_its_answer_logs_one_line_and_no_traceback(guarded: Server) -> None:
+    start = len(guarded.log.read_bytes())
+    payload = json.dumps({**GREEDY, "max_tokens": 3000, "ignore_eos": True}).encode()
+    sock = connect(guarded)
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    sock.sendall((head + "".join(f"{k}: {v}\r\n" for k, v in guarded.headers.items()) + "\r\n").encode() + payload)
+    try:
+        wait_until(lambda: metric(guarded, "vlmserve_requests_in_flight") == 1, "the request was never served")
+    finally:
+        sock.close()
+
+    def logged() -> str:
+        return guarded.log.read_bytes()[start:].decode(errors="replace")
+
+    wait_until(lambda: "client disconnected" in logged(), "no line logged for the client that left")
+    wait_until(lambda: metric(guarded, "vlmserve_requests_in_flight") == 0, "the request was never aborted")
+    lines = [line for line in logged().splitlines() if "client disconnected" in line]
+    assert len(lines) == 1 and "ERROR" not in lines[0], lines
+    assert "Traceback" not in logged() and "ERROR" not in logged(), logged()
+    assert guarded.health() == 200
     assert segments_left() == []

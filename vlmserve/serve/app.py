@@ -160,6 +160,10 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
     return middleware
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its answer: an expected event, logged in one line."""
+
+
 async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`, cancelling it (and so aborting its engine request) if the client goes away."""
     task = asyncio.ensure_future(work)
@@ -170,7 +174,7 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError
+                raise ClientDisconnected
     finally:
         if not task.done():
             task.cancel()
@@ -218,6 +222,11 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, _: ClientDisconnected) -> Response:
+        logger.info("client disconnected before its answer: %s %s aborted", request.method, request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody is left to read it
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONResponse:
