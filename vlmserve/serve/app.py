@@ -3,11 +3,13 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 Every error is answered in OpenAI's shape without tracebacks, addresses or paths. Pure-ASGI
 layers in front of the app, outermost first:
-  - size caps: 431 for too many or too large headers; 413 for a declared or streamed body over
-    the limit, before any JSON is parsed;
-  - API key: every path but /health and /metrics needs `Authorization: Bearer <key>`
+  - size caps: 431 for too many or too large headers; 413 for a declared body over the limit;
+  - API key: every path but /health and /metrics needs `Authorization: Bearer <key>`, given once
     (compared in constant time), so no spelling of a path reaches an inference route without it;
-  - admission: 503 while draining (SIGTERM) or while the engine is down, 429 past the queue limit.
+  - body: read whole before anything else, under a deadline (408 past it) and the size cap (413
+    for a streamed body over it), the connection closed after either;
+  - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down, 429
+    past the queue limit. A client that sends headers and then nothing holds no place in the queue.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-async def _send_error(send: Callable[[Any], Awaitable[None]], error: APIError) -> None:
+async def _send_error(send: Callable[[Any], Awaitable[None]], error: APIError, *, close: bool = False) -> None:
+    """The error as the whole response; `close` ends the connection after it (a body left unread)."""
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -64,18 +65,57 @@ def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
         for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
                 return await _send_error(send, APIError(413, f"request body is over the {max_bytes}-byte limit"))
-        seen = 0
+        return await app(scope, receive, send)
 
-        async def counting_receive() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > max_bytes:
-                    raise BodyTooLarge
+    return middleware
+
+
+def read_body(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
+    """Reads a request's whole body before the app sees the request, then replays it.
+
+    A body slower than `timeout_s` in all gets 408, one over `max_bytes` (chunked, so not declared)
+    413; both close the connection. A client gone meanwhile gets nothing."""
+
+    async def middleware(
+        scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+    ) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    seen += len(chunk)
+                    if seen > max_bytes:
+                        error = APIError(413, f"request body is over the {max_bytes}-byte limit")
+                        return await _send_error(send, error, close=True)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            error = APIError(
+                408,
+                f"the request body did not arrive within {timeout_s:g} s",
+                code="request_timeout",
+                kind="invalid_request_error",
+            )
+            return await _send_error(send, error, close=True)
+        body: bytes | None = b"".join(chunks)
+
+        async def replay() -> Any:
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: only a disconnect can come
+            message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
             return message
 
-        return await app(scope, counting_receive, send)
+        return await app(scope, replay, send)
 
     return middleware
 
@@ -88,11 +128,10 @@ def api_key_auth(app: ASGIApp, api_key: str | None) -> ASGIApp:
     ) -> None:
         if expected is None or scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             return await app(scope, receive, send)
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value
-        if not hmac.compare_digest(given, expected):
+        given = [value for name, value in scope.get("headers", []) if name == b"authorization"]
+        if len(given) > 1:
+            return await _send_error(send, APIError(400, "more than one Authorization header"))
+        if not hmac.compare_digest(given[0] if given else b"", expected):
             return await _send_error(send, APIError(401, "missing or invalid API key", code="invalid_api_key"))
         return await app(scope, receive, send)
 
@@ -121,6 +160,10 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
     return middleware
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its answer: an expected event, logged in one line."""
+
+
 async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`, cancelling it (and so aborting its engine request) if the client goes away."""
     task = asyncio.ensure_future(work)
@@ -131,14 +174,19 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError
+                raise ClientDisconnected
     finally:
         if not task.done():
             task.cancel()
 
 
 def build_app(
-    ctx: ServingContext, *, api_key: str | None = None, max_body_bytes: int = 32 << 20, max_queue: int = 256
+    ctx: ServingContext,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 32 << 20,
+    max_queue: int = 256,
+    read_timeout_s: float = 30.0,
 ) -> tuple[FastAPI, ASGIApp]:
     """The FastAPI app and the ASGI app to serve (the app behind its middleware)."""
     app = FastAPI(title="vlmserve", docs_url=None, redoc_url=None)
@@ -175,11 +223,10 @@ def build_app(
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(_: Request, e: BodyTooLarge) -> JSONResponse:
-        return JSONResponse(
-            APIError(413, f"request body is over the {max_body_bytes}-byte limit").body(), status_code=413
-        )
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, _: ClientDisconnected) -> Response:
+        logger.info("client disconnected before its answer: %s %s aborted", request.method, request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody is left to read it
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONResponse:
@@ -225,6 +272,7 @@ def build_app(
         return JSONResponse(await _until_disconnected(request, completion_serving.response(prompts, params)))
 
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]
+    asgi = read_body(asgi, max_body_bytes, read_timeout_s)
     asgi = api_key_auth(asgi, api_key)
     asgi = body_limit(asgi, max_body_bytes)
     return app, asgi

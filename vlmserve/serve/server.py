@@ -1,7 +1,9 @@
 """`vlmserve serve MODEL`: the OpenAI-compatible server.
 
 The API process (this one) runs FastAPI under uvicorn; the engine runs in a child process. On
-SIGTERM the server drains: requests in flight finish, new ones get 503, then both processes exit.
+SIGTERM the server drains: requests in flight finish while new ones get 503 (the port stays open
+until the last one is done), then both processes exit. A client has --read-timeout seconds to send
+a request's headers and again its body; past it the connection is closed.
 If the engine process dies, requests in flight get an error (a stream gets an error event),
 /health answers 503, and the engine is started again, up to --max-engine-restarts times; after
 that the server keeps answering 503 until it is restarted.
@@ -22,6 +24,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
@@ -87,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--max-n", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
+    )
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
     p.add_argument("--max-engine-restarts", type=int, default=3)
     p.add_argument("--log-level", default="info")
@@ -144,7 +153,13 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         model_name=args.served_model_name or Path(args.model).name,
         max_n=args.max_n,
     )
-    app, asgi = build_app(ctx, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
+    app, asgi = build_app(
+        ctx,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_queue=args.max_queue,
+        read_timeout_s=args.read_timeout,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -156,19 +171,67 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     return app, asgi, client
 
 
+def header_deadline(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request's headers.
+
+    uvicorn times out nothing before a request's headers are complete: a connection that sends
+    nothing, or half a request line, would hold its descriptor for ever. Here a connection must
+    complete a request's headers within `timeout_s` of opening and of each response's end (idle
+    keep-alive connections are also closed by uvicorn's shorter timeout_keep_alive)."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def _arm_header_deadline(self) -> None:
+            waiting_on = self.cycle  # a new cycle is made when the next request's headers are in
+            self.loop.call_later(timeout_s, self._header_deadline_passed, waiting_on)
+
+        def _header_deadline_passed(self, waiting_on: object) -> None:
+            if self.cycle is waiting_on and not self.transport.is_closing():
+                logger.info("closed a connection that sent no complete request in %g s", timeout_s)
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM, keeps accepting connections (so new requests get 503, not a refused connection)
+    until the requests in flight are done or timeout_graceful_shutdown passes, then shuts down."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app_state = app.state
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.timeout_graceful_shutdown or 0)
+        while self.app_state.in_flight > 0 and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app, asgi, _ = build(args)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             asgi,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            http=header_deadline(args.read_timeout),
+            timeout_keep_alive=min(5.0, args.read_timeout),
             timeout_graceful_shutdown=60,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
-        )
+        ),
+        app,
     )
     default_exit = server.handle_exit
 
