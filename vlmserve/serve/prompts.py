@@ -1,13 +1,19 @@
 """A request body becomes what the engine takes: processed prompts and sampling params. Text is
 checked (valid Unicode, no NUL), max_tokens and the number of prompts bounded, chat messages
 rendered; media is fetched through the guarded fetcher (the counts checked before anything is
-fetched) and the processor runs in a worker thread. Every problem is a 400 naming the parameter."""
+fetched). Rendering, tokenizing and processing run in a worker thread, and a text prompt that
+cannot fit max_model_len is refused by its length before any of it is tokenized. Every problem
+is a 400 naming the parameter: an exception other than ValueError raised while a request is
+rendered or processed (TypeError, KeyError, OverflowError... from a value of the wrong type that
+no check caught) is a 400 too, with a message that names the parameter and echoes nothing of it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaError
@@ -16,6 +22,29 @@ from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.fetch import FetchError, FetchPolicy, fetch
 from vlmserve.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
 from vlmserve.serve.serving import ServingContext
+from vlmserve.tokenizer import AnyTokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a request's values can raise in rendering or processing when a check missed them: a 400,
+# never a 500. (ValueError and MediaError carry messages written for the user.)
+_INPUT_ERRORS = (TypeError, LookupError, AttributeError, ArithmeticError, RecursionError)
+
+# Characters a prompt may have per token it can need, at most: the tokenizers are NFC-normalising
+# byte-level BPEs, so a token covers at most its own length in bytes (the longest vocabulary
+# entry, _longest_token), and NFC at most shrinks a text to 1/1.5 of its characters per UTF-8
+# byte (the longest canonical decomposition per byte of the composed character is 1.5 code
+# points, e.g. U+01D5: 2 bytes, 3 code points). 2 is that 1.5 with room to spare: a text longer
+# than max_model_len * longest token * 2 characters cannot fit, whatever it holds.
+_CHARS_PER_TOKEN_BYTE = 2
+
+
+def _longest_token(tokenizer: AnyTokenizer) -> int:
+    """The longest vocabulary entry, in characters of its byte-level form (= its bytes), special
+    tokens included."""
+    return max(len(token) for token in tokenizer.backend.get_vocab())
 
 
 def _walk_text(value: Any, param: str) -> None:
@@ -35,18 +64,26 @@ class PromptBuilder:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.frontend = ctx.frontend
+        self.max_prompt_chars = (
+            self.frontend.max_model_len * _longest_token(self.frontend.tokenizer) * _CHARS_PER_TOKEN_BYTE
+        )
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[ProcessedPrompt, SamplingParams]:
         _walk_text(body.messages, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         params = body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
-        try:
-            chat = self.frontend.render_chat(
-                body.messages, body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs
-            )
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+        self._check_last_message_length(body.messages)
+        # Rendering tokenizes too (Qwen-VL-Chat's chat format): off the event loop.
+        chat = await self._in_thread(
+            "messages",
+            self.frontend.render_chat,
+            body.messages,
+            body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        if isinstance(chat.prompt, str):
+            self._check_length(chat.prompt, "messages")
         images, videos = await self._fetch_media(chat.images, chat.videos)
         return await self._process(chat.prompt, images, "messages", videos), params
 
@@ -66,18 +103,54 @@ class PromptBuilder:
             param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
             if isinstance(p, str):
                 check_text(p, param)
+                self._check_length(p, param)
             images: list[ImageInput] = []
             # A family whose prompts name their images (inside the token ids): fetched here
-            # through the guard, never by the processor.
-            try:
-                urls = self.frontend.processor.prompt_image_urls(p)
-            except ValueError as e:
-                raise APIError(400, str(e), param) from None
+            # through the guard, never by the processor. Finding them may tokenize: in a thread.
+            urls = await self._in_thread(param, self.frontend.processor.prompt_image_urls, p)
             if urls:
                 images = [ImageInput(url, label=f"{param} (image {k + 1})") for k, url in enumerate(urls)]
                 images, _ = await self._fetch_media(images, [])
             prompts.append(await self._process(p, images, param))  # the processor checks token ids
         return prompts, params
+
+    def _check_length(self, text: str, param: str) -> None:
+        """Refuse a text that needs more tokens than max_model_len whatever it holds, before
+        anything tokenizes it (see _CHARS_PER_TOKEN_BYTE)."""
+        self._check_length_of(len(text), param)
+
+    def _check_last_message_length(self, messages: list[dict[str, Any]]) -> None:
+        """The last message's text is in every prompt rendered (the query Qwen-VL-Chat always
+        keeps, a template's last turn), stripped at most: too long, refused before rendering,
+        which may tokenize."""
+        content = messages[-1].get("content") if isinstance(messages[-1], dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        texts = [part.get("text") if isinstance(part, dict) else part for part in parts]
+        self._check_length_of(sum(len(text.strip()) for text in texts if isinstance(text, str)), "messages")
+
+    def _check_length_of(self, length: int, param: str) -> None:
+        if length > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{param} is {length} characters long, more than a prompt of max_model_len="
+                f"{self.frontend.max_model_len} tokens can hold (at most {self.max_prompt_chars} characters)",
+                param,
+            )
+
+    async def _in_thread(self, param: str, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`work` in a worker thread (tokenizing and decoding are CPU work), its errors as 400s
+        naming `param`."""
+        try:
+            return await asyncio.to_thread(work, *args, **kwargs)
+        except (MediaError, ValueError) as e:
+            raise APIError(400, str(e), param) from None
+        except _INPUT_ERRORS as e:
+            # A value of the wrong type or out of range that no check caught: the request's fault,
+            # said without echoing Python's message (it can name internals); logged for a fix.
+            logger.warning("%s: unchecked %s while building the prompt", param, type(e).__name__, exc_info=True)
+            raise APIError(
+                400, f"{param}: a value has the wrong type or is out of range and could not be used", param
+            ) from None
 
     def _max_tokens(self, requested: int | None) -> int | None:
         limit = self.frontend.max_model_len - 1
@@ -130,8 +203,5 @@ class PromptBuilder:
     async def _process(
         self, prompt: str | list[int], images: list[ImageInput], param: str, videos: list[VideoInput] | None = None
     ) -> ProcessedPrompt:
-        try:
-            # Decoding and resizing images and video frames is CPU work: off the event loop.
-            return await asyncio.to_thread(self.frontend.processor.process, prompt, images, videos or [])
-        except (MediaError, ValueError) as e:
-            raise APIError(400, str(e), param) from None
+        # Tokenizing, decoding and resizing images and video frames: off the event loop.
+        return await self._in_thread(param, self.frontend.processor.process, prompt, images, videos or [])

@@ -23,6 +23,11 @@ from vlmserve.processor.base import RenderedChat
 from vlmserve.processor.chat import parse_chat_messages
 from vlmserve.tokenizer import Tokenizer
 
+# What Tokenizer.apply_chat_template passes the template itself: not a chat_template_kwargs key.
+RESERVED_TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "add_generation_prompt", "chat_template", "bos_token", "eos_token", "pad_token", "unk_token"}
+)
+
 # The engine-wide options (LLM(mm_processor_kwargs=...)) this processor takes.
 PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
 
@@ -52,9 +57,20 @@ def render_chat(
     chat_template: str | None,
     chat_template_kwargs: dict[str, Any],
 ) -> RenderedChat:
-    """The checkpoint's chat template over OpenAI-style or qwen-vl-utils-style messages."""
+    """The checkpoint's chat template over OpenAI-style or qwen-vl-utils-style messages. A value
+    the template cannot use (a kwarg of the wrong type, say) is a ValueError naming the inputs,
+    not Python's message."""
+    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS & set(chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set; the server passes them")
     rendered, images, videos = parse_chat_messages(messages)
-    text = tokenizer.apply_chat_template(rendered, add_generation_prompt, chat_template, **chat_template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt, chat_template, **chat_template_kwargs)
+    except (TypeError, LookupError, AttributeError, ArithmeticError) as e:
+        raise ValueError(
+            f"the chat template could not render these messages and chat_template_kwargs ({type(e).__name__}): "
+            "a value has the wrong type or is out of range"
+        ) from None
     return RenderedChat(text, images, videos)
 
 

@@ -16,6 +16,7 @@ end of text is <|endoftext|>, which the reference emits right after <|im_end|>.
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -136,12 +137,17 @@ def _coords(value: Any, count: int, what: str) -> list[list[Any]]:
     """A list of `count`-number shapes: [[x1, y1, x2, y2], ...] as the remote code takes a box, or
     one flat shape [x1, y1, x2, y2] (the seed's own example)."""
     if isinstance(value, (list, tuple)) and len(value) == count and all(isinstance(v, (int, float)) for v in value):
-        return [list(value)]
-    if isinstance(value, (list, tuple)) and all(
+        shapes = [list(value)]
+    elif isinstance(value, (list, tuple)) and all(
         isinstance(s, (list, tuple)) and len(s) == count and all(isinstance(v, (int, float)) for v in s) for s in value
     ):
-        return [list(s) for s in value]
-    raise ValueError(f"a {what} is {count} numbers or a list of such, got {value!r}")
+        shapes = [list(s) for s in value]
+    else:
+        raise ValueError(f"a {what} is {count} numbers or a list of such, got {value!r}")
+    # Written as %d: an infinite or NaN coordinate has no integer.
+    if any(isinstance(v, float) and not math.isfinite(v) for shape in shapes for v in shape):
+        raise ValueError(f"a {what}'s coordinates must be finite numbers, got {value!r}")
+    return shapes
 
 
 def from_list_format(list_format: list[dict[str, Any]], first_picture: int = 1) -> str:

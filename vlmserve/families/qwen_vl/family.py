@@ -52,6 +52,12 @@ def render_chat(
     unknown = set(chat_template_kwargs) - {"system", "max_window_size"}
     if unknown:
         raise ValueError(f"chat_template_kwargs: unknown keys {sorted(unknown)}; supported: system, max_window_size")
+    system = chat_template_kwargs.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"chat_template_kwargs.system must be a string, got {type(system).__name__}")
+    window = chat_template_kwargs.get("max_window_size")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"chat_template_kwargs.max_window_size must be a positive integer (tokens), got {window!r}")
     chat = chat_prompt(tokenizer, messages, add_generation_prompt, **chat_template_kwargs)
     return RenderedChat(chat.token_ids, chat.images)
 
