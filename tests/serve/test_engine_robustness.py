@@ -68,7 +68,7 @@ def test_unrepresentable_sampling_field_gets_400_naming_it_and_engine_keeps_its_
     server: Server, field: str, value: object
 ) -> None:
     engine = server.engine_pid()
-    response = _chat(server, **{"temperature": 0.7, field: value})
+    response = _chat(server, **{"temperature": 0.7, "max_tokens": 4, field: value})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert field in error["message"] or error["param"] == field, error
@@ -89,7 +89,7 @@ def test_request_in_flight_gets_its_own_tokens_while_unrepresentable_fields_are_
     pieces = _stream_tokens(server, body)
     got = [next(pieces)]  # the stream is running in the engine now
     for field, value in UNREPRESENTABLE:
-        assert _chat(server, **{"temperature": 0.7, field: value}).status_code == 400
+        assert _chat(server, **{"temperature": 0.7, "max_tokens": 4, field: value}).status_code == 400
     got.extend(pieces)
     assert "".join(got) == alone.json()["choices"][0]["message"]["content"]
     assert server.engine_pid() == engine and server.health() == 200
