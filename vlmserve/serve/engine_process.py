@@ -49,6 +49,9 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.running = True
         self.last_stats = 0.0
+        # Engine request id -> (the API process's request id, all its samples' engine ids), so a
+        # failed sample fails its whole request by the id the API process knows.
+        self.parents: dict[str, tuple[str, list[str]]] = {}
 
     def run(self) -> None:
         self.push.send(encoder.encode(Ready(self.core.memory_plan.describe(), self.core.max_model_len)))
@@ -63,11 +66,28 @@ class EngineLoop:
                 self._handle(self.pull.recv())
                 timeout_ms = 0
             if self.core.has_unfinished_requests():
-                outputs = self.core.step()
-                if outputs:
-                    self.push.send(encoder.encode(StepOutputs(outputs)))
+                self._step()
             if time.monotonic() - self.last_stats > STATS_INTERVAL_S:
                 self._send_stats()
+
+    def _step(self) -> None:
+        """One engine step; a request the step failed for is answered RequestFailed (its
+        siblings finished too) and the engine goes on."""
+        outputs = self.core.step()
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.parents.pop(output.request_id, None)
+        if outputs:
+            self.push.send(encoder.encode(StepOutputs(outputs)))
+        failed = self.core.take_failed()
+        for child_id, why in failed.items():
+            if child_id not in self.parents:
+                continue  # a sibling's failure already answered for it
+            parent, siblings = self.parents[child_id]
+            self.core.finish_requests(siblings)
+            for sibling in siblings:
+                self.parents.pop(sibling, None)
+            self.push.send(encoder.encode(RequestFailed(parent, why)))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -80,6 +100,8 @@ class EngineLoop:
         elif isinstance(message, AbortRequests):
             status = RequestStatus.FINISHED_STOPPED if message.stopped else RequestStatus.FINISHED_ABORTED
             self.core.finish_requests(message.request_ids, status)
+            for request_id in message.request_ids:
+                self.parents.pop(request_id, None)
         elif isinstance(message, Shutdown):
             self.running = False
 
@@ -89,6 +111,8 @@ class EngineLoop:
             self.core.check_fits(prompt)
             for child_id, params in zip(message.child_ids, message.params, strict=True):
                 self.core.add_request(child_id, prompt, params)
+            for child_id in message.child_ids:
+                self.parents[child_id] = (message.request_id, list(message.child_ids))
         except (ValueError, shm.ShmError) as e:
             self.core.finish_requests(list(message.child_ids))  # any child already admitted
             self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))

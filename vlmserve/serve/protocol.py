@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from vlmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from vlmserve.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams, as_float32
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
@@ -55,20 +55,30 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    # Integers the engine keeps as int64, floats it computes with in float32 (sampling_params.py).
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    n: int = Field(default=1, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    n: int = Field(default=1, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_STRINGS
+    )
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     user: str | None = None
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float | None) -> float | None:
+        if value is not None and as_float32(value) < FLOAT32_TINY:
+            raise ValueError(f"must be at least {FLOAT32_TINY:.3g} (0 in float32 would mask every token)")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -100,13 +110,14 @@ class _SamplingFields(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
             )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            message = str(e)
+            raise APIError(400, message, message.split(" ", 1)[0]) from None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
