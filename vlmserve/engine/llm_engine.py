@@ -4,6 +4,8 @@ step at a time."""
 
 from __future__ import annotations
 
+import logging
+
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.frontend import load_frontend
@@ -12,6 +14,8 @@ from vlmserve.engine.request import RequestStatus
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -61,4 +65,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(self.core.step())
         self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # stop strings found here
+        # A request whose step failed (the engine went on without it) ends as aborted, with its
+        # other samples; the error is logged. Nothing else in the batch is lost.
+        for child_id, message in self.core.take_failed().items():
+            sample = self.output_processor.samples.get(child_id)
+            if sample is None:
+                continue
+            logger.error("request %s failed: %s", sample.parent.request_id, message)
+            aborted = self.abort_request(sample.parent.request_id)
+            if aborted is not None:
+                outputs.append(aborted)
         return outputs

@@ -1,0 +1,37 @@
+"""Offline: a request whose step fails ends as aborted (the engine goes on without it) and the
+other requests of the same generate() call get the tokens they get alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmserve import LLM, SamplingParams
+
+POISON_SEED = 666
+
+
+def test_a_failing_request_is_aborted_and_the_rest_of_the_batch_is_unchanged(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(tiny_dir, dtype="float32", max_model_len=512, kv_cache_memory_gib=0.01)
+    prompts = ["The capital of France", "One two three", "A poisoned request"]
+    good = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    alone = [llm.generate(p, good)[0].outputs[0].token_ids for p in prompts[:2]]
+
+    sampler = llm.llm_engine.runner.sampler
+    original = type(sampler).__call__
+
+    def failing(self, logits: torch.Tensor, params: list[SamplingParams], generators):  # type: ignore[no-untyped-def]
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("injected sampler failure")
+        return original(self, logits, params, generators)
+
+    monkeypatch.setattr(type(sampler), "__call__", failing)
+    poisoned = SamplingParams(temperature=0.8, seed=POISON_SEED, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(prompts, [good, good, poisoned])
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == alone
+    assert outputs[2].finished and outputs[2].outputs[0].finish_reason == "abort"
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv.usage == 0.0
