@@ -128,7 +128,7 @@ def test_a_full_dev_shm_gets_503_naming_its_free_space_and_the_server_lives(smal
     private = Path(f"/proc/{small_shm.process.pid}/root/dev/shm")
     assert shutil.disk_usage(private).total <= 8 << 20  # the namespace's tmpfs, not the host's
     status, alone = chat(small_shm, SMALL)
-    assert status == 200
+    assert status == 200, alone
     engine = small_shm.engine_pid()
     filler = private / "filler"
     filler.write_bytes(b"\0" * (6 << 20))  # 2 MiB left: the big image's 4.8 MB cannot be backed

@@ -194,13 +194,13 @@ def write_array(array: np.ndarray) -> Segment:
             _reserve(name, nbytes)
         except BaseException:
             shm.close()
-            shm.unlink()
+            unlink(name)  # not shm.unlink(): the resource tracker no longer knows the name
             raise
     try:
         np.ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)[...] = array
     except BaseException:
         shm.close()
-        shm.unlink()
+        unlink(name)
         raise
     shm.close()
     return Segment(name, tuple(array.shape), str(array.dtype))
