@@ -84,3 +84,32 @@ def _short(body: dict, *keys: str) -> None:
 def test_completion_bodies(server: Server, body: dict) -> None:
     _short(body, "max_tokens")
     check(server, "/v1/completions", body)
+
+
+# The values at which numbers stop being representable in the engine: int64's edges and past them,
+# float32's zero, subnormals and overflow, non-finite floats, and the ordinary values beside them.
+INT_EXTREMES = [0, 1, -1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, 10**30]
+FLOAT_EXTREMES = [0.0, -0.0, 1e-50, 1e-40, 1.4e-45, 5e-324, 1e-38, 1.1754944e-38, 1e-7, 0.5, 1.0, 1.0000001, 2.0]
+FLOAT_EXTREMES += [3.4028235e38, 3.5e38, 1e308, float("inf"), float("-inf"), float("nan")]
+number = st.sampled_from(INT_EXTREMES) | st.sampled_from(FLOAT_EXTREMES)
+NUMERIC_FIELDS = ("max_tokens", "n", "temperature", "top_p", "top_k", "seed", "logprobs", "top_logprobs")
+extreme_body = st.fixed_dictionaries(
+    {"messages": st.just([{"role": "user", "content": "x"}])},
+    optional={
+        **{key: number for key in NUMERIC_FIELDS},
+        "stop_token_ids": st.lists(st.sampled_from(INT_EXTREMES), min_size=1, max_size=3),
+        "max_completion_tokens": number,
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=extreme_body)
+def test_numeric_extremes_get_an_answer_or_a_4xx_and_never_restart_the_engine(server: Server, body: dict) -> None:
+    engine = server.engine_pid()
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2  # a valid n generates a few samples, not thousands
+    _short(body, "max_tokens", "max_completion_tokens")
+    check(server, "/v1/chat/completions", body)
+    assert server.engine_pid() == engine, ("the engine restarted", body)
+    assert server.health() == 200
