@@ -112,8 +112,28 @@ class ImageSizing:
     resized_width: int | None = None
 
 
+def check_sizing(sizing: ImageSizing, cfg: ImageProcessorConfig) -> None:
+    """A per-image option may lower the image's size, never raise it above the server's own
+    max_pixels (the checkpoint's preprocessor max_pixels, or --max-pixels): a ValueError naming
+    the field and the numbers, not a silent clamp."""
+    limit = cfg.max_pixels
+    for name in ("min_pixels", "max_pixels"):
+        value = getattr(sizing, name)
+        if value is not None and value > limit:
+            raise ValueError(f"{name}={value} exceeds the server's max_pixels={limit}")
+    if sizing.resized_height is not None and sizing.resized_width is not None:
+        pixels = sizing.resized_height * sizing.resized_width
+        if pixels > limit:
+            raise ValueError(
+                f"resized_height={sizing.resized_height} x resized_width={sizing.resized_width} = {pixels} pixels "
+                f"exceeds the server's max_pixels={limit}"
+            )
+
+
 def target_size(width: int, height: int, cfg: ImageProcessorConfig, sizing: ImageSizing) -> tuple[int, int]:
-    """(resized_height, resized_width) for an image of `width` x `height`."""
+    """(resized_height, resized_width) for an image of `width` x `height`; sizing held to
+    check_sizing."""
+    check_sizing(sizing, cfg)
     min_pixels = sizing.min_pixels if sizing.min_pixels is not None else cfg.min_pixels
     max_pixels = sizing.max_pixels if sizing.max_pixels is not None else cfg.max_pixels
     if sizing.resized_height is not None and sizing.resized_width is not None:

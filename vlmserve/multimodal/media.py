@@ -31,6 +31,9 @@ class MediaError(ValueError):
 class MediaLimits:
     max_bytes: int = 50 * 1024 * 1024
     max_image_pixels: int = 8192 * 8192
+    # Placeholder tokens one image may need after resizing (--max-image-tokens); None: what the
+    # processor's max_pixels and max_model_len give. Checked on the header, before decoding.
+    max_image_tokens: int | None = None
     fetch_timeout_s: float = 10.0
     # None: local paths and file:// URLs are allowed anywhere (the offline API's default);
     # a folder: only files under it.
@@ -140,6 +143,50 @@ def fetch_url(url: str, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> byt
 
 
 def decode_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    return load_pixels(open_image(data, label, limits), label)
+
+
+def open_lazily(source: object, label: str = "image", limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    """`source` (not a PIL image) opened with its header read and checked, its pixels not yet
+    decoded: oriented_size() tells its size, load_pixels() decodes it."""
+    if not isinstance(source, (bytes, bytearray, memoryview, Path, str)):
+        raise MediaError(f"{label}: expected a path, URL, bytes or PIL image, got {type(source).__name__}")
+    return open_image(read_source(source, label, limits), label, limits)
+
+
+# EXIF orientations that turn the image by 90 or 270 degrees (exif_transpose swaps its sides).
+_TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+
+
+def oriented_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) the image will have once load_pixels applies its EXIF orientation, read
+    from the header alone (image.getexif() would decode a PNG's pixels to look past them)."""
+    width, height = image.size
+    orientation = None
+    raw = image.info.get("exif")
+    if isinstance(raw, bytes) and raw:
+        exif = Image.Exif()
+        try:
+            exif.load(raw)
+            orientation = exif.get(0x0112)
+        except Exception:  # a malformed EXIF block: exif_transpose finds no orientation in it either
+            orientation = None
+    return (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
+
+
+def load_pixels(image: Image.Image, label: str) -> Image.Image:
+    """Decode an image from open_lazily / open_image, with the EXIF orientation applied."""
+    try:
+        image.load()
+        # Same orientation handling as transformers' load_image.
+        oriented = ImageOps.exif_transpose(image)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise MediaError(f"{label}: image data is truncated or corrupt") from None
+    return oriented
+
+
+def open_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    """The image header parsed and held to the pixel limit; no pixel decoded yet."""
     if not data:
         raise MediaError(f"{label}: image data is empty")
     try:
@@ -158,10 +205,4 @@ def decode_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) 
         raise MediaError(
             f"{label}: image is {width}x{height} = {width * height} pixels, over the {limits.max_image_pixels} limit"
         )
-    try:
-        image.load()
-        # Same orientation handling as transformers' load_image.
-        oriented = ImageOps.exif_transpose(image)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-        raise MediaError(f"{label}: image data is truncated or corrupt") from None
-    return oriented
+    return image

@@ -39,6 +39,13 @@ from vlmserve.serve.serving import ServingContext
 logger = logging.getLogger("vlmserve.api")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id (default: the tiny one)")
     p.add_argument("--host", default="127.0.0.1")
@@ -76,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-fetch-timeout", type=float, default=10.0)
     p.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024)
     p.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="refused before decoding above this")
+    p.add_argument(
+        "--max-image-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens one image may need after resizing, checked before decoding (default: what max_pixels gives)",
+    )
     p.add_argument("--max-video-bytes", type=int, default=64 * 1024 * 1024, help="a video file, data URL or download")
     p.add_argument(
         "--max-video-frames", type=int, default=36_000, help="frames a video may hold (counted before decoding)"
@@ -130,6 +143,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,
             max_image_pixels=args.max_image_pixels,
+            max_image_tokens=args.max_image_tokens,
             fetch_timeout_s=args.media_fetch_timeout,
             allowed_local_media_path=args.allowed_local_media_path,
             allow_local_files=args.allowed_local_media_path is not None,

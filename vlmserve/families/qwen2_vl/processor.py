@@ -12,7 +12,7 @@ from PIL import Image
 from vlmserve.config import ModelConfig
 from vlmserve.multimodal.image import ImageProcessorConfig, ProcessedImage, process_image, target_size
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
-from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_image
+from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_pixels, open_lazily, oriented_size
 from vlmserve.multimodal.mrope import mrope_positions
 from vlmserve.multimodal.video import (
     MODEL_SEQ_LEN,
@@ -53,12 +53,16 @@ class Qwen2VLProcessingInfo:
 
     def max_tokens_per_item(self) -> dict[str, int]:
         """Placeholder tokens of the largest image and video admitted, at most a prompt's worth
-        each: an image as large as max_pixels allows; a video as long as qwen-vl-utils' default
-        total_pixels allows (128000 * 0.9 tokens), of frames no larger than max_video_frame_tokens."""
+        each: an image as large as max_pixels (and media_limits.max_image_tokens) allows; a video
+        as long as qwen-vl-utils' default total_pixels allows (128000 * 0.9 tokens), of frames no
+        larger than max_video_frame_tokens."""
         cfg = self.image_config
         by_pixels = cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
         prompt = self.limits.max_model_len - 1
-        return {"image": max(1, min(by_pixels, prompt)), "video": max(1, min(int(MODEL_SEQ_LEN * 0.9), prompt))}
+        image = min(by_pixels, prompt)
+        if self.media_limits.max_image_tokens is not None:
+            image = min(image, self.media_limits.max_image_tokens)
+        return {"image": max(1, image), "video": max(1, min(int(MODEL_SEQ_LEN * 0.9), prompt))}
 
     def max_video_frame_tokens(self) -> int:
         """Tokens one temporal patch of a video may take: qwen-vl-utils' largest default frame
@@ -149,10 +153,16 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         self._check_count("image", "<|image_pad|>", images, token_ids.count(image_id))
         self._check_count("video", "<|video_pad|>", videos, token_ids.count(video_id))
 
-        pil_images = [load_image(image.source, image.label, self.media_limits) for image in images]
-        # Token counts come from the target sizes and the chosen frames alone (a video is demuxed,
-        # not decoded): check the length before the pixel work.
-        image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, pil_images, strict=True)]
+        # Token counts come from the target sizes and the chosen frames alone (an image's header is
+        # read, its pixels not decoded; a video is demuxed, not decoded): check them and the length
+        # before the pixel work, so a small file declaring a huge image costs no decoding.
+        opened = [
+            image.source
+            if isinstance(image.source, Image.Image)
+            else open_lazily(image.source, image.label, self.media_limits)
+            for image in images
+        ]
+        image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, opened, strict=True)]
         plans = [open_video(v.source, v.options, self.image_config, v.label, self.media_limits) for v in videos]
         video_counts = [self._video_tokens(plan) for plan in plans]
         num_text = len(token_ids) - len(images) - len(videos)
@@ -164,6 +174,10 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
                 f"which leaves no room to generate within max_model_len={self.limits.max_model_len}"
             )
 
+        pil_images = [
+            pil if isinstance(image.source, Image.Image) else load_pixels(pil, image.label)
+            for image, pil in zip(images, opened, strict=True)
+        ]
         expanded: list[int] = []
         items: list[MultiModalItem] = []
         next_image = iter(zip(pil_images, images, image_counts, strict=True))
@@ -203,8 +217,10 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
             )
 
     def _image_tokens(self, image: ImageInput, pil: Image.Image) -> int:
+        """The image's token count from its header (a PIL image passed in: its size as it is)."""
+        width, height = pil.size if isinstance(image.source, Image.Image) else oriented_size(pil)
         try:
-            h, w = target_size(pil.width, pil.height, self.image_config, image.sizing)
+            h, w = target_size(width, height, self.image_config, image.sizing)
         except ValueError as e:
             raise MediaError(f"{image.label}: {e}") from None
         count = (h // self.image_config.patch_size) * (w // self.image_config.patch_size) // self.merge_size**2
@@ -212,7 +228,12 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         if count > max_per_image:
             raise MediaError(
                 f"{image.label}: the image needs {count} tokens, at most {max_per_image} per image are admitted "
-                f"(max_pixels={self.image_config.max_pixels}, max_model_len={self.limits.max_model_len})"
+                f"(max_pixels={self.image_config.max_pixels}, max_model_len={self.limits.max_model_len}"
+                + (
+                    f", max_image_tokens={self.media_limits.max_image_tokens})"
+                    if self.media_limits.max_image_tokens is not None
+                    else ")"
+                )
             )
         return count
 
