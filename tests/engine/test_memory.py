@@ -234,7 +234,9 @@ def test_requests_that_can_never_fit_are_refused_on_submit(planned: LLM) -> None
         "multi_modal_data": {"image": random_image(1000, 800)},
         "mm_processor_kwargs": {"max_pixels": 2000 * 28 * 28},
     }
-    with pytest.raises(MediaError, match=r"needs 1044 tokens, at most 512 per image are admitted \(max_pixels=401408"):
+    # A per-image max_pixels above the engine's (whose image would need 1044 tokens of the 512 admitted) is
+    # refused on submit, naming both numbers, before the image is decoded.
+    with pytest.raises(MediaError, match=r"max_pixels=1568000 exceeds the server's max_pixels=401408"):
         planned.generate(too_many_pixels)
     with pytest.raises(ValueError, match=r"prompt needs 2048 tokens .* max_model_len=2048"):
         planned.generate({"prompt_token_ids": [1] * 2048})
