@@ -35,21 +35,25 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return max_model_len
 
 
-def processor_context(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> ProcessorContext:
-    return ProcessorContext(
+def open_checkpoint(
+    config: EngineConfig, model_dir: Path | None = None
+) -> tuple[Path, ModelConfig, ModelFamily, ProcessorContext]:
+    """The checkpoint's directory, its parsed config.json, its family, and what its processor is
+    built from: what both the engine and the front end start from."""
+    model_dir = model_dir or resolve_model_dir(config.model, config.revision)
+    model_config = load_model_config(model_dir / "config.json")
+    ctx = ProcessorContext(
         model_dir,
         model_config,
         ProcessorLimits(resolve_max_model_len(config, model_config), dict(config.limit_mm_per_prompt)),
         config.media_limits,
         dict(config.mm_processor_kwargs),
     )
+    return model_dir, model_config, family_of(model_config), ctx
 
 
 def load_engine_model(config: EngineConfig, eos_token_ids: Iterable[int], model_dir: Path | None = None) -> EngineModel:
-    model_dir = model_dir or resolve_model_dir(config.model, config.revision)
-    model_config = load_model_config(model_dir / "config.json")
-    family = family_of(model_config)
-    ctx = processor_context(config, model_dir, model_config)
+    model_dir, model_config, family, ctx = open_checkpoint(config, model_dir)
     return EngineModel(
         model_dir,
         model_config,

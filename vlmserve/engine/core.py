@@ -5,14 +5,13 @@ the front end's business. The server runs it in its own process; the offline LLM
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from vlmserve.attention import select_backend
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
-from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vlmserve.engine.contracts import EngineCoreOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
@@ -23,16 +22,6 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RunnerSnapshot:
-    """What a step changes of a request the runner already holds, to undo a failed step."""
-
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_token_ids: int
-    generator_state: torch.Tensor | None
 
 
 class EngineCore:
@@ -135,88 +124,19 @@ class EngineCore:
         time: those that still raise are failed (take_failed() says why), the others get the tokens
         they would have had alone, and the engine goes on."""
         scheduler_output = self.scheduler.schedule()
-        snapshot = self._snapshot(scheduler_output)
+        snapshot = self.runner.snapshot(scheduler_output)
         try:
             runner_output = self.runner.execute(scheduler_output)
         except Exception:
             logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
-            runner_output = self._execute_one_at_a_time(scheduler_output, snapshot)
+            runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
+            for request_id, message in failed.items():
+                # Everything it holds is freed; take_failed() reports it.
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+                self.failed[request_id] = message
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def take_failed(self) -> dict[str, str]:
         """Request id -> why, for each request a step failed since the last call (they are gone)."""
         failed, self.failed = self.failed, {}
         return failed
-
-    def _snapshot(self, step: SchedulerOutput) -> dict[str, _RunnerSnapshot | None]:
-        """Per scheduled request, the runner's state of it before the step (None: new to it)."""
-        snapshot: dict[str, _RunnerSnapshot | None] = {}
-        for request_id in step.num_scheduled_tokens:
-            state = self.runner.requests.get(request_id)
-            if state is None:
-                snapshot[request_id] = None
-                continue
-            generator = state.generator
-            snapshot[request_id] = _RunnerSnapshot(
-                list(state.block_ids),
-                state.num_computed_tokens,
-                len(state.token_ids),
-                None if generator is None else generator.get_state(),
-            )
-        return snapshot
-
-    def _execute_one_at_a_time(
-        self, step: SchedulerOutput, snapshot: dict[str, _RunnerSnapshot | None]
-    ) -> ModelRunnerOutput:
-        runner = self.runner
-        # Undo what the failed step did to the runner: new requests forgotten, the others as before.
-        for request_id, saved in snapshot.items():
-            if saved is None:
-                runner.requests.pop(request_id, None)
-                continue
-            state = runner.requests[request_id]
-            state.block_ids = list(saved.block_ids)
-            state.num_computed_tokens = saved.num_computed_tokens
-            del state.token_ids[saved.num_token_ids :]
-            if state.generator is not None and saved.generator_state is not None:
-                state.generator.set_state(saved.generator_state)
-        for request_id in step.finished_req_ids:
-            runner.requests.pop(request_id, None)
-        runner.free_encoder_outputs(step.free_encoder_hashes)
-
-        new = {data.request_id: data for data in step.scheduled_new_reqs}
-        cached = {data.request_id: data for data in step.scheduled_cached_reqs}
-        merged = ModelRunnerOutput()
-        for request_id, n in step.num_scheduled_tokens.items():
-            one = SchedulerOutput(num_scheduled_tokens={request_id: n})
-            if request_id in new:
-                one.scheduled_new_reqs = [new[request_id]]
-                items, start = new[request_id].mm_items, new[request_id].num_computed_tokens
-            else:
-                one.scheduled_cached_reqs = [cached[request_id]]
-                items, start = runner.requests[request_id].mm_items, cached[request_id].num_computed_tokens
-            # Every image this chunk reads whose encoder output the runner lacks (its encoding
-            # may have been another request's, or part of the batch that failed).
-            missing = [
-                i
-                for i, item in enumerate(items)
-                if item.offset < start + n and item.end > start and item.content_hash not in runner.encoder_cache
-            ]
-            if missing:
-                one.scheduled_encoder_inputs = {request_id: missing}
-            try:
-                result = runner.execute(one)
-            except Exception as e:
-                logger.exception("request %s failed", request_id)
-                self._fail(request_id, f"the engine failed computing this request ({type(e).__name__})")
-                continue
-            merged.sampled_token_ids.update(result.sampled_token_ids)
-            merged.logprobs.update(result.logprobs)
-        return merged
-
-    def _fail(self, request_id: str, message: str) -> None:
-        """Drop a request everywhere: the scheduler frees its KV blocks and encoder outputs, the
-        runner forgets it, and take_failed() reports it."""
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self.runner.requests.pop(request_id, None)
-        self.failed[request_id] = message

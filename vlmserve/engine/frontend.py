@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig
-from vlmserve.engine.checkpoint import EngineModel, processor_context
+from vlmserve.engine.checkpoint import EngineModel, open_checkpoint
 from vlmserve.engine.config import EngineConfig
 from vlmserve.family import ModelFamily
-from vlmserve.model_files import read_json, resolve_model_dir
+from vlmserve.model_files import read_json
 from vlmserve.processor.base import Processor, RenderedChat
-from vlmserve.registry import family_of, load_model_config
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import AnyTokenizer
 
@@ -60,11 +59,8 @@ class Frontend:
 
 
 def load_frontend(config: EngineConfig, model_dir: Path | None = None) -> Frontend:
-    model_dir = model_dir or resolve_model_dir(config.model, config.revision)
-    model_config = load_model_config(model_dir / "config.json")
-    family = family_of(model_config)
+    model_dir, model_config, family, ctx = open_checkpoint(config, model_dir)
     generation_config = read_json(model_dir / "generation_config.json")
-    ctx = processor_context(config, model_dir, model_config)
     tokenizer = family.load_tokenizer(model_dir)
     processor = family.make_processor(ctx, tokenizer)
     eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)

@@ -5,6 +5,7 @@ computed. Also runs the memory planner's worst-case profile step."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from vlmserve.engine.sampler import Sampler, token_logprobs
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # (start, end, mrope_delta, num_prompt_tokens) -> [3, end - start] positions
 DecodePositions = Callable[[int, int, int, int], torch.Tensor]
@@ -68,6 +71,20 @@ class CachedRequestState:
             delta = self.mrope_delta if self.mrope_positions is not None else 0
             pieces.append(decode_positions(start, end, delta, p))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
+@dataclass
+class _RequestSnapshot:
+    """What a step changes of a request the runner already holds, to undo a failed step."""
+
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_token_ids: int
+    generator_state: torch.Tensor | None
+
+
+# Per scheduled request, its state before the step; None: the step brings it new.
+StepSnapshot = dict[str, _RequestSnapshot | None]
 
 
 class ModelRunner:
@@ -205,6 +222,78 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             block_size=block_size,
         )
+
+    # -- a step that failed --------------------------------------------------------------------
+
+    def snapshot(self, step: SchedulerOutput) -> StepSnapshot:
+        """What `execute(step)` may change of the requests it runs, taken before it runs."""
+        snapshot: StepSnapshot = {}
+        for request_id in step.num_scheduled_tokens:
+            state = self.requests.get(request_id)
+            if state is None:
+                snapshot[request_id] = None
+                continue
+            generator = state.generator
+            snapshot[request_id] = _RequestSnapshot(
+                list(state.block_ids),
+                state.num_computed_tokens,
+                len(state.token_ids),
+                None if generator is None else generator.get_state(),
+            )
+        return snapshot
+
+    def execute_one_at_a_time(
+        self, step: SchedulerOutput, snapshot: StepSnapshot
+    ) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """After `execute(step)` raised: undo what it did, then run its requests one at a time.
+        Returns the output of those that ran, and request id -> why for those that raised again
+        (forgotten here; the caller frees them in the scheduler)."""
+        # Undo what the failed step did: new requests forgotten, the others as before.
+        for request_id, saved in snapshot.items():
+            if saved is None:
+                self.requests.pop(request_id, None)
+                continue
+            state = self.requests[request_id]
+            state.block_ids = list(saved.block_ids)
+            state.num_computed_tokens = saved.num_computed_tokens
+            del state.token_ids[saved.num_token_ids :]
+            if state.generator is not None and saved.generator_state is not None:
+                state.generator.set_state(saved.generator_state)
+        for request_id in step.finished_req_ids:
+            self.requests.pop(request_id, None)
+        self.free_encoder_outputs(step.free_encoder_hashes)
+
+        new = {data.request_id: data for data in step.scheduled_new_reqs}
+        cached = {data.request_id: data for data in step.scheduled_cached_reqs}
+        merged = ModelRunnerOutput()
+        failed: dict[str, str] = {}
+        for request_id, n in step.num_scheduled_tokens.items():
+            one = SchedulerOutput(num_scheduled_tokens={request_id: n})
+            if request_id in new:
+                one.scheduled_new_reqs = [new[request_id]]
+                items, start = new[request_id].mm_items, new[request_id].num_computed_tokens
+            else:
+                one.scheduled_cached_reqs = [cached[request_id]]
+                items, start = self.requests[request_id].mm_items, cached[request_id].num_computed_tokens
+            # Every image this chunk reads whose encoder output is missing (its encoding may have
+            # been another request's, or part of the batch that failed).
+            missing = [
+                i
+                for i, item in enumerate(items)
+                if item.offset < start + n and item.end > start and item.content_hash not in self.encoder_cache
+            ]
+            if missing:
+                one.scheduled_encoder_inputs = {request_id: missing}
+            try:
+                result = self.execute(one)
+            except Exception as e:
+                logger.exception("request %s failed", request_id)
+                self.requests.pop(request_id, None)
+                failed[request_id] = f"the engine failed computing this request ({type(e).__name__})"
+                continue
+            merged.sampled_token_ids.update(result.sampled_token_ids)
+            merged.logprobs.update(result.logprobs)
+        return merged, failed
 
     # -- the memory planner's worst case --------------------------------------------------------
 

@@ -54,9 +54,7 @@ def load_image(source: object, label: str = "image", limits: MediaLimits = DEFAU
     """Open `source` as a PIL image with EXIF orientation applied; pixels are decoded."""
     if isinstance(source, Image.Image):
         return source
-    if not isinstance(source, (bytes, bytearray, memoryview, Path, str)):
-        raise MediaError(f"{label}: expected a path, URL, bytes or PIL image, got {type(source).__name__}")
-    return decode_image(read_source(source, label, limits), label, limits)
+    return load_pixels(open_lazily(source, label, limits), label)
 
 
 def read_source(

@@ -87,8 +87,9 @@ class Processor(ProcessingInfo, Protocol):
         videos: Sequence[VideoInput] = (),
     ) -> ProcessedPrompt: ...
 
-    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
+    def prompt_images(self, prompt: str | list[int]) -> tuple[str | list[int], list[str]]:
         """The images a prompt names itself, in order (a family whose prompts carry image paths
-        inside their token ids; the server fetches them through its guard first); [] for the
-        others. ValueError names a malformed span."""
+        inside their token ids; the server fetches them through its guard first; [] for the
+        others), and the prompt to process next (token ids if finding them tokenized it, so
+        that it is not tokenized twice). ValueError names a malformed span."""
         ...

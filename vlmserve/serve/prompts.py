@@ -107,7 +107,7 @@ class PromptBuilder:
             images: list[ImageInput] = []
             # A family whose prompts name their images (inside the token ids): fetched here
             # through the guard, never by the processor. Finding them may tokenize: in a thread.
-            urls = await self._in_thread(param, self.frontend.processor.prompt_image_urls, p)
+            p, urls = await self._in_thread(param, self.frontend.processor.prompt_images, p)
             if urls:
                 images = [ImageInput(url, label=f"{param} (image {k + 1})") for k, url in enumerate(urls)]
                 images, _ = await self._fetch_media(images, [])

@@ -130,10 +130,9 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         super().__init__(config, image_config, limits, media_limits)
         self.tokenizer = tokenizer
 
-    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
+    def prompt_images(self, prompt: str | list[int]) -> tuple[str | list[int], list[str]]:
         """Qwen2-VL prompts name no images inside their token ids."""
-        del prompt
-        return []
+        return prompt, []
 
     def process(
         self, prompt: str | list[int], images: Sequence[ImageInput] = (), videos: Sequence[VideoInput] = ()

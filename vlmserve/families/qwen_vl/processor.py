@@ -181,10 +181,10 @@ class QwenVLProcessor(QwenVLProcessingInfo):
 
     # -- prompts --------------------------------------------------------------------------------
 
-    def prompt_image_urls(self, prompt: str | list[int]) -> list[str]:
-        """The URL (or "") inside each <img>...</img> span of the prompt, in order."""
+    def prompt_images(self, prompt: str | list[int]) -> tuple[list[int], list[str]]:
+        """The prompt's token ids and the URL (or "") inside each <img>...</img> span, in order."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return [url for _, url in self.image_spans(token_ids)]
+        return token_ids, [url for _, url in self.image_spans(token_ids)]
 
     def image_spans(self, token_ids: Sequence[int]) -> list[tuple[int, str]]:
         """(offset of the span's first inner position, URL or "" when it holds none) per span.
