@@ -1,20 +1,34 @@
 """Find a checkpoint's files: a local directory as published on the Hugging Face hub, or a hub id
-downloaded through huggingface_hub."""
+downloaded through huggingface_hub. Imports no torch until weights are read: the command line
+checks a model's path with it before anything heavy loads."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from vlmserve.progress import progress
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 # What a serving engine needs from a hub repository; original/*.pth and the like stay behind.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "merges.txt", "vocab.json", "*.tiktoken"]
 # Older checkpoints (Qwen-VL-Chat among them) publish PyTorch pickles only: fetched when a
 # repository has no safetensors.
 BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+
+
+def looks_like_hub_id(model: str | Path) -> bool:
+    """`org/name` (letters, digits, '-', '_', '.') naming nothing on the local disk."""
+    name = str(model)
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".") and not Path(name).exists()
 
 
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
@@ -24,7 +38,7 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
             raise FileNotFoundError(f"{path} is a directory but holds no config.json; is it a checkpoint?")
         return path
     name = str(model)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if not looks_like_hub_id(name):
         raise FileNotFoundError(f"model {name!r}: no checkpoint directory there, and it is not a hub id (org/name)")
     return _download(name, revision)
 
@@ -47,9 +61,11 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        why = " ".join(str(e).split())  # huggingface_hub's messages run over several lines
         raise OSError(
-            f"model {repo_id!r}: could not download it from the Hugging Face hub ({type(e).__name__}: {e}). "
-            "Without network access, pass the path of a local checkpoint directory instead."
+            f"model {repo_id!r}: could not download it from the Hugging Face hub ({type(e).__name__}: "
+            f"{why[:300]}{'...' if len(why) > 300 else ''}). Without network access, pass the path of a local "
+            "checkpoint directory instead."
         ) from None
 
 
@@ -96,7 +112,22 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def count_weights(model_dir: Path) -> int | None:
+    """How many tensors iterate_weights will yield, from the safetensors headers alone (None for
+    PyTorch pickles, which must be loaded to be counted)."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in safetensors_files(model_dir):
+        if file.suffix == ".bin":
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            count += len(f.keys())
+    return count
+
+
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
     from safetensors import safe_open
 
     for file in safetensors_files(model_dir):
@@ -119,16 +150,20 @@ def save_weights(weights: dict[str, torch.Tensor], out: Path, num_shards: int) -
     from safetensors.torch import save_file
 
     metadata = {"format": "pt"}
-    if num_shards <= 1:
-        save_file(weights, str(out / "model.safetensors"), metadata=metadata)
-        return
+    total = sum(t.numel() * t.element_size() for t in weights.values())
     names = list(weights)
     weight_map: dict[str, str] = {}
-    for k in range(num_shards):
-        shard_name = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
-        shard = {n: weights[n] for n in names[k::num_shards]}
-        save_file(shard, str(out / shard_name), metadata=metadata)
-        weight_map |= dict.fromkeys(shard, shard_name)
-    total = sum(t.numel() * t.element_size() for t in weights.values())
+    shards = progress(desc="writing weights", total=total, unit="B", unit_scale=True, logger=logger)
+    with shards:
+        for k in range(max(1, num_shards)):
+            shard_name = (
+                "model.safetensors" if num_shards <= 1 else f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+            )
+            shard = {n: weights[n] for n in names[k :: max(1, num_shards)]}
+            save_file(shard, str(out / shard_name), metadata=metadata)
+            weight_map |= dict.fromkeys(shard, shard_name)
+            shards.update(sum(t.numel() * t.element_size() for t in shard.values()))
+    if num_shards <= 1:
+        return
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

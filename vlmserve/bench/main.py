@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import platform
 import statistics
 import time
@@ -25,36 +25,27 @@ from typing import Any
 import torch
 
 from vlmserve.bench.metrics import RunResult, greedy_agreement
+from vlmserve.bench.options import add_arguments
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import make_workload
 from vlmserve.entrypoints.llm import LLM
 
+logger = logging.getLogger(__name__)
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="checkpoint (default: the benchmark-size random Qwen2-VL)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--image-size", type=int, default=448, help="square images of this side")
-    p.add_argument("--input-len", type=int, default=64, help="text words per prompt (about one token each)")
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--single-output-len", type=int, default=64, help="tokens for the single-request decode timing")
-    p.add_argument(
-        "--single-rounds",
-        type=int,
-        default=3,
-        help="one-request timings alternate between the engines this many times (medians reported)",
-    )
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--no-hf", action="store_true", help="skip transformers")
-    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64], help="sweep; empty to skip")
-    p.add_argument("--sweep-requests", type=int, default=64)
-    p.add_argument("--sweep-output-len", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
-    p.add_argument("--image-sizes", type=int, nargs="*", default=[224, 448, 672, 896], help="sweep; empty to skip")
-    p.add_argument("--sweep-hf", action="store_true", help="run the sweeps through transformers too")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-out"))
+
+class Phases:
+    """Says which phase the benchmark is in, out of how many, and how long it has run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.total = 3 + (0 if args.no_hf else 3) + bool(args.concurrency) + bool(args.image_sizes)
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def begin(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        logger.info("phase %d of %d: %s (%.0f s so far)", self.done, self.total, what, elapsed)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -80,6 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     biggest = max([args.image_size, *args.image_sizes])
     max_model_len = (biggest // 28) ** 2 + args.input_len * 2 + max_out + 64
     max_seqs = max([args.num_requests, *args.concurrency, 1])
+    phases = Phases(args)
+    phases.begin("vlmserve: loading the model")
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=max_model_len, max_num_seqs=max_seqs)
     engine = llm.llm_engine
@@ -104,18 +97,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: every measured vlmserve run starts from empty prefix and encoder caches: transformers
     # has none, and a repeated request would otherwise be served from them.
     engine.reset_prefix_cache()
-    ours = run_vlmserve(engine, workload, concurrency=args.num_requests)
+    phases.begin(f"vlmserve: the workload ({args.num_requests} requests, all in flight)")
+    ours = run_vlmserve(engine, workload, concurrency=args.num_requests, desc="vlmserve workload")
     results: dict[str, Any] = {"vlmserve": {"workload": ours.to_json()}}
 
     hf_model = None
     if args.no_hf:
         engine.reset_prefix_cache()
-        results["vlmserve"]["single"] = [run_vlmserve(engine, single, concurrency=1, tag="-single").to_json()]
+        phases.begin("vlmserve: one request alone")
+        alone = run_vlmserve(engine, single, concurrency=1, tag="-single", desc="one request")
+        results["vlmserve"]["single"] = [alone.to_json()]
+        _print_table("workload", [ours.summary()], list(ours.summary()))
+        _print_table("one request alone", [alone.summary()], list(alone.summary()))
     else:
+        phases.begin("transformers: loading the model")
         hf_model = load_hf_model(Path(engine.model_dir), dtype)
         run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
+        phases.begin("transformers: probing batch sizes")
         best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
-        theirs = run_hf(hf_model, workload, best)
+        phases.begin(f"transformers: the workload at batch size {best}")
+        theirs = run_hf(hf_model, workload, best, desc="transformers workload")
         # Both engines ran the same requests greedily: their tokens say whether the numbers
         # compare like with like (a fast engine producing other tokens is no result).
         report["greedy_agreement"] = greedy_agreement(ours, theirs)
@@ -123,10 +124,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # (this machine's memory bandwidth drifts by tens of percent over minutes).
         ours_single: list[RunResult] = []
         theirs_single: list[RunResult] = []
+        phases.begin(f"one request alone, {args.single_rounds} rounds alternating the engines")
         for r in range(args.single_rounds):
             engine.reset_prefix_cache()
-            ours_single.append(run_vlmserve(engine, single, concurrency=1, tag=f"-single{r}"))
-            theirs_single.append(run_hf(hf_model, single, 1))
+            round_name = f"round {r + 1} of {args.single_rounds}"
+            ours_single.append(run_vlmserve(engine, single, 1, tag=f"-single{r}", desc=f"vlmserve, {round_name}"))
+            theirs_single.append(run_hf(hf_model, single, 1, desc=f"transformers, {round_name}"))
         results["transformers"] = {"batch_size_probe": probes, "workload": theirs.to_json()}
         results["vlmserve"]["single"] = [x.to_json() for x in ours_single]
         results["transformers"]["single"] = [x.to_json() for x in theirs_single]
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, value in report["ratios"].items():
             print(f"  {name}: {value}x")
 
-    results["sweeps"] = _sweeps(args, llm, hf_model if args.sweep_hf else None)
+    results["sweeps"] = _sweeps(args, llm, hf_model if args.sweep_hf else None, phases)
     report["results"] = results
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -167,11 +170,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list[dict[str, Any]]]:
+def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -> dict[str, list[dict[str, Any]]]:
     engine = llm.llm_engine
     out: dict[str, list[dict[str, Any]]] = {"concurrency": [], "image_size": []}
     side = args.image_size
     if args.concurrency:
+        phases.begin(f"concurrency sweep: {args.concurrency} requests in flight")
         for c in args.concurrency:
             # Fresh requests at every level, and empty caches: nothing is served from a cache.
             reqs = make_workload(
@@ -183,19 +187,20 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any) -> dict[str, list
                 args.seed + 100 + c,
             )
             engine.reset_prefix_cache()
-            rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}").summary()]
+            rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}", desc=f"vlmserve, {c} in flight").summary()]
             if hf_model is not None:
-                rows.append(run_hf(hf_model, reqs, c).summary())
+                rows.append(run_hf(hf_model, reqs, c, desc=f"transformers, batch {c}").summary())
             out["concurrency"].extend(rows)
         _print_table("concurrency sweep", out["concurrency"], [*out["concurrency"][0], "batch_size"])
     if args.image_sizes:
+        phases.begin(f"image size sweep: {args.image_sizes} pixels square")
         n = min(args.sweep_requests, 16)
         for s in args.image_sizes:
             reqs = make_workload(llm, n, (s, s), args.input_len, tuple(args.sweep_output_len), args.seed + 200 + s)
             engine.reset_prefix_cache()
-            rows = [run_vlmserve(engine, reqs, n, tag=f"-s{s}").summary()]
+            rows = [run_vlmserve(engine, reqs, n, tag=f"-s{s}", desc=f"vlmserve, {s}x{s}").summary()]
             if hf_model is not None:
-                rows.append(run_hf(hf_model, reqs, n).summary())
+                rows.append(run_hf(hf_model, reqs, n, desc=f"transformers, {s}x{s}").summary())
             for row, r in zip(rows, [reqs] * len(rows), strict=True):
                 row["image_size"] = s
                 row["image_tokens"] = r[0].prompt.mm_items[0].length

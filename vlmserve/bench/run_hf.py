@@ -6,6 +6,8 @@ test suite shows equal transformers' own processor outputs, so both engines see 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,10 @@ import torch
 from vlmserve.bench.metrics import RequestTiming, RunResult
 from vlmserve.bench.workload import BenchRequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.progress import progress
 from vlmserve.registry import FAMILIES, family_of, load_model_config
+
+logger = logging.getLogger(__name__)
 
 PAD_ID = 151643
 IMAGE_TOKEN_ID = 151655
@@ -89,19 +94,25 @@ def generate_batch(
     return start, clock.at or end, end, new_tokens
 
 
-def run_hf(model: Any, requests: list[BenchRequest], batch_size: int) -> RunResult:
+def run_hf(model: Any, requests: list[BenchRequest], batch_size: int, desc: str | None = None) -> RunResult:
+    """`desc`: show progress (output tokens, batch by batch, with an estimate of the time left)."""
     timings = []
+    total = sum(r.output_len for r in requests)
+    tokens = progress(desc=desc, total=total, unit="token", logger=logger) if desc else None
     begin = time.perf_counter()  # every request arrives now; a static batch waits for the one before
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i : i + batch_size]
-        batch_len = max(r.output_len for r in batch)
-        _, first, end, new_tokens = generate_batch(model, batch, batch_len)
-        per_token = (end - first) / max(batch_len - 1, 1)
-        for r, row in zip(batch, new_tokens, strict=True):
-            # A request's own tokens arrive at the batch's pace; it is done at its own length.
-            own_end = first + per_token * (r.output_len - 1)
-            own = row[: r.output_len]
-            timings.append(RequestTiming(r.index, r.prompt.num_tokens, len(own), begin, first, own_end, own))
+    with tokens or contextlib.nullcontext():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i : i + batch_size]
+            batch_len = max(r.output_len for r in batch)
+            _, first, end, new_tokens = generate_batch(model, batch, batch_len)
+            per_token = (end - first) / max(batch_len - 1, 1)
+            for r, row in zip(batch, new_tokens, strict=True):
+                # A request's own tokens arrive at the batch's pace; it is done at its own length.
+                own_end = first + per_token * (r.output_len - 1)
+                own = row[: r.output_len]
+                timings.append(RequestTiming(r.index, r.prompt.num_tokens, len(own), begin, first, own_end, own))
+            if tokens is not None:
+                tokens.update(sum(r.output_len for r in batch))
     wall = time.perf_counter() - begin
     return RunResult("transformers", {"batch_size": batch_size}, wall, timings)
 
@@ -130,9 +141,8 @@ def probe_batch_sizes(
     prefill_per_request = first - start
     useful = sum(r.output_len for r in requests)
     probes: dict[int, dict[str, float]] = {}
-    for size in candidates:
-        if size > len(requests):
-            continue
+    sizes = [size for size in candidates if size <= len(requests)]
+    for size in progress(sizes, desc="transformers: probing batch sizes", unit="size", logger=logger):
         _, first, end, _ = generate_batch(model, _short_text_requests(size, 16), probe_steps)
         step = (end - first) / (probe_steps - 1)
         predicted = 0.0

@@ -18,6 +18,7 @@ from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.sampler import Sampler, token_logprobs
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -310,7 +311,9 @@ class ModelRunner:
         hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
         greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
         meter = PeakMeter(self.device)
-        with one_block_per_stack(self.model):
+        # Three parts: the largest images through the encoder, a prompt chunk, a full decode batch.
+        parts = progress(desc="profiling memory (worst-case step)", total=3, unit="part", logger=logger)
+        with parts, one_block_per_stack(self.model):
             self.bind_kv_cache(
                 num_blocks, block_size, [m for m in self.model.modules() if isinstance(m, PagedAttention)]
             )
@@ -318,6 +321,7 @@ class ModelRunner:
             meter.reset()
             if dummy_items:
                 self.model.embed_multimodal(dummy_items)
+            parts.update()
             # A prompt chunk at the end of the longest context.
             q = min(num_tokens, max_model_len)
             meta = self._metadata(
@@ -329,6 +333,7 @@ class ModelRunner:
             rows = min(num_seqs, q)
             self._profile_sample(hidden[-rows:], rows, greedy_and_sampled)
             del hidden, embeds
+            parts.update()
             # Every sequence decoding at full length (block tables may alias: reads only).
             meta = self._metadata(
                 [max_model_len - 1] * num_seqs,
@@ -342,6 +347,7 @@ class ModelRunner:
             hidden = self.model(None, positions, meta, embeds)
             self._profile_sample(hidden, num_seqs, greedy_and_sampled)
             del hidden, embeds
+            parts.update()
         peak = meter.peak()
         for layer in self.attention_layers:
             layer.kv_cache = None

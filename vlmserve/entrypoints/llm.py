@@ -19,6 +19,7 @@ from vlmserve.multimodal.video import OPTION_KEYS, VideoOptions
 from vlmserve.outputs import RequestOutput
 from vlmserve.processor.base import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.processor.chat import SIZING_KEYS
+from vlmserve.progress import configure_default_logging
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tokenizer import AnyTokenizer
 
@@ -50,6 +51,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         mm_processor_kwargs: dict[str, int] | None = None,
     ) -> None:
+        configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,9 +12,12 @@ import torch
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
-from vlmserve.model_files import iterate_weights
+from vlmserve.model_files import count_weights, iterate_weights
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import bind_linear_op
+from vlmserve.progress import progress
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -40,7 +44,11 @@ def build_model(
         model = model_class(config, backend)
     model = model.to_empty(device=device)
     model.tie_weights()
-    model.load_weights(iterate_weights(model_dir))
+    weights = progress(
+        iterate_weights(model_dir), desc="loading weights", total=count_weights(model_dir), unit="tensor", logger=logger
+    )
+    with weights:
+        model.load_weights(weights)
     bind_linear_op(model, select_linear_op(device, dtype))
     model.eval()
     model.requires_grad_(False)

@@ -4,6 +4,7 @@ $VLMSERVE_CACHE (default ~/.cache/vlmserve)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,11 +13,14 @@ from vlmserve.families.qwen2_vl.tiny import BENCH_SPEC, TinySpec, write_tiny_qwe
 DEFAULT_CHECKPOINT_NAME = "tiny-qwen2-vl-v1"
 BENCH_CHECKPOINT_NAME = "bench-qwen2-vl-v1"
 
+logger = logging.getLogger(__name__)
+
 
 def _cached_checkpoint(name: str, spec: TinySpec) -> Path:
     cache = Path(os.environ.get("VLMSERVE_CACHE", Path.home() / ".cache" / "vlmserve"))
     path = cache / name
     if not (path / "vlmserve_tiny.json").is_file():
+        logger.info("first use: writing the random-weight checkpoint %s to %s", name, path)
         write_tiny_qwen2_vl(path, spec)
     return path
 

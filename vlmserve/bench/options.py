@@ -1,0 +1,80 @@
+"""`vlmserve bench`'s options (standard library only: checked before torch is imported)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from vlmserve.arg_types import positive_int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory or hub id (default: the benchmark-size random Qwen2-VL, written on first use)",
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="both engines' dtype"
+    )
+    p.add_argument("--num-requests", type=positive_int, default=32, help="requests in the workload")
+    p.add_argument("--image-size", type=positive_int, default=448, help="square images of this side, in pixels")
+    p.add_argument("--input-len", type=positive_int, default=64, help="text words per prompt (about one token each)")
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        nargs=2,
+        default=[32, 256],
+        metavar=("MIN", "MAX"),
+        help="output tokens per request, spread over MIN..MAX",
+    )
+    p.add_argument(
+        "--single-output-len", type=positive_int, default=64, help="tokens for the single-request decode timing"
+    )
+    p.add_argument(
+        "--single-rounds",
+        type=positive_int,
+        default=3,
+        help="one-request timings alternate between the engines this many times (medians reported)",
+    )
+    p.add_argument(
+        "--hf-batch-sizes",
+        type=positive_int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32],
+        metavar="N",
+        help="static batch sizes transformers is probed at (the best one runs the workload)",
+    )
+    p.add_argument("--no-hf", action="store_true", help="skip transformers: vlmserve's numbers only")
+    p.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="*",
+        default=[1, 4, 16, 64],
+        metavar="N",
+        help="concurrency sweep: requests in flight at each level (none: skip the sweep)",
+    )
+    p.add_argument("--sweep-requests", type=positive_int, default=64, help="requests at each sweep level")
+    p.add_argument(
+        "--sweep-output-len",
+        type=positive_int,
+        nargs=2,
+        default=[16, 48],
+        metavar=("MIN", "MAX"),
+        help="output tokens per sweep request",
+    )
+    p.add_argument(
+        "--image-sizes",
+        type=positive_int,
+        nargs="*",
+        default=[224, 448, 672, 896],
+        metavar="PX",
+        help="image size sweep: square sides in pixels (none: skip the sweep)",
+    )
+    p.add_argument("--sweep-hf", action="store_true", help="run the sweeps through transformers too")
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="torch threads")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json and bench.png")
