@@ -11,7 +11,7 @@ import torch
 from vlmserve.attention import select_backend
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
-from vlmserve.engine.contracts import EngineCoreOutput
+from vlmserve.engine.contracts import EngineCoreOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
@@ -33,9 +33,9 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, model.model_config.checkpoint_dtype, self.device)
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
-        backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
+        self.backend = select_backend(self.device, decode_workspace_tokens=self.max_model_len)
         self.model = build_model(
-            model.family.model_class, model.model_config, model.model_dir, backend, self.device, self.dtype
+            model.family.model_class, model.model_config, model.model_dir, self.backend, self.device, self.dtype
         )
         self.runner = ModelRunner(self.model, self.device, self.dtype)
         # The largest image or video a prompt may hold: the encoder must take it in one step.
@@ -49,13 +49,17 @@ class EngineCore:
             max_encoder_tokens_per_step=max(budget, largest_item),
             encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_item),
         )
+        # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
-        logger.info(self.memory_plan.describe())
         self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         # Requests a step failed for, with why, since the last take_failed().
         self.failed: dict[str, str] = {}
+        # Since start: prompt tokens computed (again after a preemption) and tokens generated,
+        # for the periodic throughput lines.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
         config = self.config
@@ -102,6 +106,8 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """One sample (n == 1); the front end fans out n > 1."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
         request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(request)
 
@@ -124,6 +130,7 @@ class EngineCore:
         time: those that still raise are failed (take_failed() says why), the others get the tokens
         they would have had alone, and the engine goes on."""
         scheduler_output = self.scheduler.schedule()
+        self._count_prompt_tokens(scheduler_output)
         snapshot = self.runner.snapshot(scheduler_output)
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -134,7 +141,15 @@ class EngineCore:
                 # Everything it holds is freed; take_failed() reports it.
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
                 self.failed[request_id] = message
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_generation_tokens += sum(len(output.new_token_ids) for output in outputs)
+        return outputs
+
+    def _count_prompt_tokens(self, step: SchedulerOutput) -> None:
+        for request_id, n in step.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            computed = request.num_computed_tokens  # advanced only when the step's output comes
+            self.num_prompt_tokens += max(0, min(computed + n, request.num_prompt_tokens) - computed)
 
     def take_failed(self) -> dict[str, str]:
         """Request id -> why, for each request a step failed since the last call (they are gone)."""

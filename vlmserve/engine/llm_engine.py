@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from vlmserve.engine.banner import engine_summary, log_banner
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.frontend import load_frontend
@@ -33,6 +34,7 @@ class LLMEngine:
         self.max_model_len = self.frontend.max_model_len
         self.model, self.runner, self.kv = self.core.model, self.core.runner, self.core.kv
         self.scheduler, self.memory_plan = self.core.scheduler, self.core.memory_plan
+        log_banner(logger, engine_summary(self.core, config.model), "vlmserve engine ready")
 
     def default_sampling_params(self) -> SamplingParams:
         return self.frontend.default_sampling_params()

@@ -196,10 +196,14 @@ class EngineClient:
             if self.engine.ready.is_set():  # not the last words of a dead engine, read after its death
                 self.stats = message
         elif isinstance(message, Ready):
-            self.engine.mark_ready(message.memory_plan)
+            self.engine.mark_ready(message.memory_plan, message.summary)
 
     async def _engine_died(self) -> None:
         self.engine.died()
+        if not self.engine.was_ready:
+            # It never started (a bad checkpoint, too small a budget): starting it again would
+            # fail the same way; start() reports it.
+            raise asyncio.CancelledError
         self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.detokenizer.abort(request_id)

@@ -19,11 +19,14 @@ import msgspec
 import torch
 import zmq
 
+from vlmserve.engine.banner import engine_summary
 from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.request import RequestStatus
+from vlmserve.engine.stat_logger import StatLogger
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 from vlmserve.serve import shm, token_handles
 from vlmserve.serve.messages import (
     AbortRequests,
@@ -49,12 +52,15 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.running = True
         self.last_stats = 0.0
+        interval = float(os.environ.get("VLMSERVE_LOG_STATS_INTERVAL", "10"))
+        self.stat_logger = StatLogger(core, interval, logger)
         # Engine request id -> (the API process's request id, all its samples' engine ids), so a
         # failed sample fails its whole request by the id the API process knows.
         self.parents: dict[str, tuple[str, list[str]]] = {}
 
     def run(self) -> None:
-        self.push.send(encoder.encode(Ready(self.core.memory_plan.describe(), self.core.max_model_len)))
+        summary = engine_summary(self.core, self.core.config.model)
+        self.push.send(encoder.encode(Ready(self.core.memory_plan.describe(), self.core.max_model_len, summary)))
         while self.running:
             if os.getppid() != self.parent_pid:
                 logger.warning("the API process is gone; exiting")
@@ -69,6 +75,7 @@ class EngineLoop:
                 self._step()
             if time.monotonic() - self.last_stats > STATS_INTERVAL_S:
                 self._send_stats()
+            self.stat_logger.maybe_log()
 
     def _step(self) -> None:
         """One engine step; a request the step failed for is answered RequestFailed (its
@@ -162,12 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--eos-token-ids", default="[]", help="JSON list: the ids that end generation")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    # The API process's --log-level (its environment is inherited).
+    level = os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper()
+    logging.basicConfig(level=level, format="[engine] " + LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(**json.loads(args.config))
-    # No tokenizer, no processor here: the API process sends token ids, positions and pixels.
-    core = EngineCore(config, load_engine_model(config, json.loads(args.eos_token_ids)))
+    try:
+        # No tokenizer, no processor here: the API process sends token ids, positions and pixels.
+        core = EngineCore(config, load_engine_model(config, json.loads(args.eos_token_ids)))
+    except (ValueError, OSError) as e:  # what the user can change: the checkpoint, the budget, the limits
+        logger.error("the engine cannot start: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return 1
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(args.input)

@@ -6,12 +6,14 @@ in time). What travels on the sockets, and the requests in flight, are the clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import subprocess
 import sys
+import time
 
 from vlmserve.engine.config import EngineConfig
 
@@ -48,7 +50,10 @@ class EngineSupervisor:
         self.restarts = 0
         self.ready = asyncio.Event()
         self.memory_plan = ""
+        self.summary: dict[str, str] = {}  # the start-up banner's lines, from its Ready message
+        self.was_ready = False  # once: an engine that dies before it was ever ready is not restarted
         self._process: subprocess.Popen[bytes] | None = None
+        self._spawned_at = 0.0
 
     def spawn(self) -> None:
         command = [
@@ -69,19 +74,38 @@ class EngineSupervisor:
             json.dumps(self.eos_token_ids),
         ]
         self.ready.clear()
+        self._spawned_at = time.monotonic()
         self._process = subprocess.Popen(command)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
-        except TimeoutError:
-            raise EngineDeadError(f"the engine process did not become ready within {timeout_s:.0f}s") from None
+        """Until the Ready message; EngineDeadError at once if the process exits first (its
+        error is in the log above: the checkpoint, the memory budget...)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.ready.is_set():
+            if self.exited:
+                code = self._process.returncode if self._process else None
+                raise EngineDeadError(
+                    f"the engine process exited (code {code}) before it was ready; its error is above"
+                )
+            if loop.time() > deadline:
+                raise EngineDeadError(f"the engine process did not become ready within {timeout_s:.0f}s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), 0.2)
 
-    def mark_ready(self, memory_plan: str) -> None:
-        """The engine said it is ready (its Ready message)."""
+    def mark_ready(self, memory_plan: str, summary: dict[str, str] | None = None) -> None:
+        """The engine said it is ready (its Ready message). What it was built with is the
+        server's start-up banner; a restarted engine is only noted."""
         self.memory_plan = memory_plan
+        self.summary = dict(summary or {})
+        self.was_ready = True
         self.ready.set()
-        logger.info("engine ready (pid %s): %s", self.pid, memory_plan)
+        logger.info("engine process ready (pid %s, %.1f s after it was started)", self.pid, self.elapsed)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the engine process was last started."""
+        return time.monotonic() - self._spawned_at
 
     @property
     def running(self) -> bool:

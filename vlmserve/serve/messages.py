@@ -43,6 +43,8 @@ ToEngine = Union[AddRequest, AbortRequests, Shutdown]  # noqa: UP007 (msgspec re
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
     memory_plan: str
     max_model_len: int
+    # The start-up banner's lines (vlmserve.engine.banner.engine_summary), name -> value.
+    summary: dict[str, str] = {}
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):

@@ -1,0 +1,68 @@
+"""What an engine was built with, said once at start-up: the model and its architecture, the
+device (the CPU's name and the features the kernels use, or the GPU's name), dtype,
+max_model_len, the KV cache's capacity, the attention backend and linear kernels chosen, and the
+memory plan. The server's engine process sends it in its Ready message; the offline LLM logs it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.engine.core import EngineCore
+from vlmserve.kernels import select_linear_op
+
+# The x86 features vlmserve's CPU kernels and torch's bf16 paths care about.
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    name, flags = "", set[str]()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    features = [f for f in CPU_FEATURES if f in flags]
+    return f"cpu: {name or 'unknown CPU'} ({' '.join(features) or 'no AVX2'}), {torch.get_num_threads()} threads"
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device}: {props.name}, {props.total_memory / (1 << 30):.0f} GiB"
+    return describe_cpu()
+
+
+def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
+    """The banner's lines, name -> value (plain strings: they cross the process boundary)."""
+    info = core.model_info
+    plan = core.memory_plan
+    decode_kernel = getattr(core.backend, "decode_kernel", None)
+    linear = select_linear_op(core.device, core.dtype)  # cached: the op the model was bound to
+    return {
+        "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
+        "device": describe_device(core.device),
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "max_model_len": str(core.max_model_len),
+        "KV cache": f"{plan.num_blocks * plan.block_size:,} tokens ({plan.num_blocks:,} blocks of {plan.block_size})",
+        "attention": f"{core.backend.name} (SDPA)"
+        + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else ""),
+        "linear layers": "torch (F.linear)" if linear is F.linear else "vlmserve CPU bf16 kernel",
+        "memory": plan.describe().removeprefix("memory plan: "),
+    }
+
+
+def log_banner(logger: logging.Logger, summary: dict[str, str], title: str, url: str | None = None) -> None:
+    """One record per line, names aligned."""
+    lines = dict(summary) | ({"serving": url} if url else {})
+    width = max(len(name) for name in lines)
+    logger.info(title)
+    for name, value in lines.items():
+        logger.info("  %s  %s", name.ljust(width), value)
