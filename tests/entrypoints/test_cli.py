@@ -63,10 +63,16 @@ def test_chat_with_a_video_on_qwen2_5_vl(tiny25_dir: Path, tmp_path: Path) -> No
     assert result.stdout == output.outputs[0].text + "\n"
 
 
-def test_chat_reports_bad_images(tiny_dir: Path) -> None:
-    result = vlmserve("chat", str(tiny_dir), "--image", "/no/such.png", "hi", "--dtype", "float32")
+def test_chat_reports_bad_images(tiny_dir: Path, tmp_path: Path) -> None:
+    """A file that is there but is no image is found out when the question is asked."""
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not a picture")
+    result = vlmserve("chat", str(tiny_dir), "--image", str(not_an_image), "hi", "--dtype", "float32")
     assert result.returncode == 2
-    assert "error: messages[0].content[0] (image 1): file not found: /no/such.png" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "vlmserve chat: error: messages[0].content[0] (image 1): cannot decode image (not one of BMP, GIF, JPEG, "
+        "PNG, WEBP)"
+    )
     assert "Traceback" not in result.stderr
 
 

@@ -42,5 +42,5 @@ def test_draw_boxes_writes_the_png_and_says_how_many(tiny_dir: Path, tmp_path: P
 def test_draw_boxes_needs_an_image(tiny_dir: Path, tmp_path: Path) -> None:
     result = vlmserve("chat", str(tiny_dir), "hi", "--draw-boxes", str(tmp_path / "x.png"))
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --draw-boxes needs an --image to draw on"
+    assert result.stderr.strip() == "vlmserve chat: error: --draw-boxes needs an --image to draw on"
     assert not (tmp_path / "x.png").exists()

@@ -1,193 +1,225 @@
-"""The `vlmserve` command line.
+"""The `vlmserve` command line, in the conventions of vllm and ollama: `vlmserve COMMAND [options]`,
+every command listed by `vlmserve --help`, `vlmserve --version`, an unknown command or option
+refused by name (no abbreviations), every option with its help and default.
 
-vlmserve chat [MODEL] [--image PATH ...] [--video PATH ...] [--draw-boxes OUT.png] "question"
-                                                       stream an answer (and draw its boxes)
-vlmserve make-tiny OUT_DIR [--arch qwen2_5_vl|qwen_vl] write a tiny random-weight checkpoint
-vlmserve inspect MODEL_OR_CONFIG [--dtype bfloat16]    parameters per part, weight and KV cache memory
+Errors a user can put right (a model path, an image path, an option's value, a busy port) are one
+line on stderr: exit code 2 when the command line is wrong, 1 when running it failed. --debug
+shows tracebacks and debug log lines. What is cheap to check (paths, the port, values) is checked
+before torch is imported and before a model loads; each command imports what it needs only then.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
-if TYPE_CHECKING:
-    from vlmserve import LLM
-    from vlmserve.grounding import Convention
-    from vlmserve.outputs import MultiModalItemInfo
+from vlmserve.arg_types import non_negative_int, positive_int
+from vlmserve.errors import UsageError, UserError
 
-
-def _chat(args: argparse.Namespace) -> int:
-    from vlmserve import LLM, SamplingParams
-
-    if len(args.words) > 2:
-        print("error: give at most MODEL and one quoted question", file=sys.stderr)
-        return 2
-    if args.draw_boxes is not None and not args.image:
-        print("error: --draw-boxes needs an --image to draw on", file=sys.stderr)
-        return 2
-    model, question = (None, args.words[0]) if len(args.words) == 1 else args.words
-    if model is None:
-        print(
-            "(no MODEL given: using the embedded tiny random-weight checkpoint; its answers are random text)",
-            file=sys.stderr,
-        )
-    llm = LLM(
-        model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=1,
-        limit_mm_per_prompt={"image": max(8, len(args.image)), "video": max(1, len(args.video))},
-    )
-    content: list[dict[str, object]] = [{"type": "image", "image": image} for image in args.image]
-    content += [{"type": "video", "video": video} for video in args.video]
-    content.append({"type": "text", "text": question})
-    messages: list[dict[str, object]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": content})
-    defaults = llm.get_default_sampling_params()
-    params = SamplingParams(
-        temperature=defaults.temperature if args.temperature is None else args.temperature,
-        top_p=defaults.top_p,
-        top_k=defaults.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
-        skip_special_tokens=args.draw_boxes is None,
-    )
-    try:
-        prompt = llm.process_chat(messages)
-        convention = _box_convention(llm, args) if args.draw_boxes is not None else None
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    shown = 0
-    text = ""
-    mm_items: list[MultiModalItemInfo] = []
-    for output in llm.stream(prompt, params):
-        text = output.outputs[0].text
-        print(text[shown:], end="", flush=True)
-        shown = len(text)
-        mm_items = output.mm_items
-    print()
-    if convention is not None:
-        # The latest picture, as Qwen-VL's draw_bbox_on_latest_picture: the one the question is about.
-        latest = [item for item in mm_items if item.modality == "image"][-1]
-        return _draw_boxes(text, args.image[-1], latest, convention, args.draw_boxes)
-    return 0
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
-    from vlmserve.registry import convention_for_model
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default appended unless its help already says it."""
 
-    return args.box_convention or cast("Convention", convention_for_model(llm.llm_engine.model_config.model_type))
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)  # most options' names fit before their help
 
-
-def _draw_boxes(text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path) -> int:
-    """The answer's boxes on the latest image, in its original pixels: printed, and drawn into `out`."""
-    from vlmserve.grounding import draw_answer
-    from vlmserve.multimodal.media import load_image
-
-    try:
-        image = load_image(source, "the latest image")  # as the processor decoded it (EXIF rotation applied)
-        if image.size != tuple(item.original_size):
-            raise ValueError(f"{source} is {image.size} now; the model saw it as {item.original_size}")
-        _, lines = draw_answer(text, image, convention, item.resized_size, out)
-    except (OSError, ValueError) as e:  # MediaError is a ValueError
-        print(f"error: --draw-boxes: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(lines))
-    return 0
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings or action.nargs in ("?", "*")
+        if not shown or action.default in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
-def _make_tiny(args: argparse.Namespace) -> int:
-    from vlmserve.registry import BY_NAME
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options; a bad command line is one line naming what is wrong."""
 
-    family = BY_NAME[args.arch]
-    try:
-        out = family.write_tiny(
-            args.out_dir,
-            seed=args.seed,
-            num_shards=args.shards,
-            preset=args.preset,
-            nested_config=args.nested_config,
-            untied=args.untied,
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote a {args.preset} random-weight {family.display_name} checkpoint to {out}")
-    return 0
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(allow_abbrev=False, formatter_class=HelpFormatter, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _chat_parser() -> argparse.ArgumentParser:
-    chat = argparse.ArgumentParser(
-        prog="vlmserve chat", description="Ask one question, optionally about images, and stream the answer."
-    )
-    chat.add_argument(
+@dataclass(frozen=True)
+class Command:
+    summary: str  # the line in `vlmserve --help`
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    usage: str | None = None
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from vlmserve.serve.options import add_arguments
+
+    add_arguments(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vlmserve.serve.options import bind
+
+    _check_model(args.model)
+    sock = bind(args.host, args.port)  # before the model loads: a busy port is said at once
+    if args.debug:
+        args.log_level = "debug"
+    from vlmserve.serve.server import run
+
+    return run(args, sock)
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
         "words",
-        nargs="+",
-        metavar="[MODEL] QUESTION",
-        help="checkpoint directory or hub id (default: the embedded tiny checkpoint), then the question",
+        nargs="*",
+        metavar="[MODEL] [QUESTION]",
+        help="checkpoint directory or hub id (default: the embedded tiny random-weight checkpoint), then the "
+        "question; without a question, a conversation (a single word that names a directory or an org/name "
+        "hub id is the MODEL)",
     )
-    chat.add_argument("--image", action="append", default=[], help="image path or URL (repeatable)")
-    chat.add_argument("--video", action="append", default=[], help="video path or URL (repeatable; 2 frames/s)")
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's generation config")
-    chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    chat.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    chat.add_argument("--max-model-len", type=int, default=8192)
-    chat.add_argument(
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH_OR_URL",
+        help="an image for the first question (repeatable)",
+    )
+    p.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="PATH_OR_URL",
+        help="a video for the first question (repeatable; 2 frames/s)",
+    )
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per answer, at most")
+    p.add_argument(
+        "--temperature", type=_temperature, default=None, help="0: greedy (default: the checkpoint's generation config)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="makes sampled answers reproducible (default: none)")
+    p.add_argument(
+        "--dtype", default="auto", choices=DTYPES, help="auto: the checkpoint's (float16 becomes bfloat16 on the CPU)"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=positive_int, default=8192, help="longest conversation + answer, in tokens")
+    p.add_argument(
         "--draw-boxes",
         type=Path,
         default=None,
         metavar="OUT.png",
-        help="parse the answer's grounding boxes, print them in the latest image's original pixels and draw them "
-        "on it into this PNG",
+        help="parse each answer's grounding boxes, print them in the latest image's original pixels and draw them "
+        "on it into this PNG (in a conversation: OUT-1.png, OUT-2.png, ... one per turn)",
     )
-    chat.add_argument(
+    p.add_argument(
         "--box-convention",
         choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl"],
         default=None,
         help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl and qwen2-vl on a "
         "0..1000 scale, qwen2.5-vl in the resized image's pixels",
     )
-    chat.set_defaults(func=_chat)
-    return chat
 
 
-def _make_tiny_parser() -> argparse.ArgumentParser:
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from vlmserve.entrypoints import chat
+    from vlmserve.model_files import looks_like_hub_id
+
+    words = args.words
+    if len(words) > 2:
+        raise UsageError(f"give at most MODEL and one quoted QUESTION, got {len(words)} words (quote the question)")
+    model: str | None = None
+    question: str | None = None
+    if len(words) == 2:
+        model, question = words
+    elif len(words) == 1 and (Path(words[0]).expanduser().is_dir() or looks_like_hub_id(words[0])):
+        model = words[0]
+    elif len(words) == 1:
+        question = words[0]
+    args.interactive = question is None
+    for flag, sources in (("--image", args.image), ("--video", args.video)):
+        for source in sources:
+            problem = chat.check_local_media(source)
+            if problem:
+                raise UsageError(f"{flag} {source}: {problem}")
+    if args.draw_boxes is not None and not args.image and not args.interactive:
+        raise UsageError("--draw-boxes needs an --image to draw on")
+    _check_model(model)
+    return chat.run(args, model, question)
+
+
+# -- make-tiny, inspect, bench --------------------------------------------------------------------
+
+
+def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     from vlmserve.registry import BY_NAME, FAMILIES
 
-    tiny = argparse.ArgumentParser(
-        prog="vlmserve make-tiny",
-        description="Write a tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen-VL-Chat checkpoint in the hub layout.",
-    )
-    tiny.add_argument("out_dir", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")
-    tiny.add_argument("--untied", action="store_true", help="separate lm_head weights")
-    tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards (with an index)")
-    tiny.add_argument(
-        "--preset",
-        choices=["tiny", "bench"],
-        default="tiny",
-        help="bench: Qwen2-VL-2B's language-model width with 4 layers and a narrow vision tower",
-    )
-    tiny.add_argument(
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write (replaced if it exists)")
+    p.add_argument(
         "--arch",
         choices=list(BY_NAME),
         default=FAMILIES[0].name,
         help="model family: " + ", ".join(f"{f.name} ({f.display_name})" for f in FAMILIES),
     )
-    tiny.set_defaults(func=_make_tiny)
-    return tiny
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="bench: Qwen2-VL-2B's language-model width with 4 layers and a narrow vision tower",
+    )
+    p.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")
+    p.add_argument("--untied", action="store_true", help="separate lm_head weights")
+    p.add_argument(
+        "--shards", type=positive_int, default=1, help="number of safetensors shards (more than 1: an index)"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights")
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from vlmserve.registry import BY_NAME
+
+    family = BY_NAME[args.arch]
+    out = family.write_tiny(
+        args.out_dir,
+        seed=args.seed,
+        num_shards=args.shards,
+        preset=args.preset,
+        nested_config=args.nested_config,
+        untied=args.untied,
+    )
+    print(f"wrote a {args.preset} random-weight {family.display_name} checkpoint to {out}")
+    return 0
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL_OR_CONFIG", help="a checkpoint directory or a config.json")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="dtype of the weights and KV cache (default: the checkpoint's, else bfloat16)",
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -196,51 +228,144 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.model)
-        dtype = parse_dtype(args.dtype, config.checkpoint_dtype or parse_dtype("bfloat16"))
-        report = inspect_config(config, dtype)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(report))
+    except OSError as e:
+        raise UsageError(str(e)) from None
+    dtype = parse_dtype(args.dtype, config.checkpoint_dtype or parse_dtype("bfloat16"))
+    print(format_report(inspect_config(config, dtype)))
     return 0
 
 
-def _inspect_parser() -> argparse.ArgumentParser:
-    inspect = argparse.ArgumentParser(
-        prog="vlmserve inspect",
-        description="Count a model's parameters per part and the memory its weights and KV cache need, from its "
-        "config.json alone (no weights are read).",
-    )
-    inspect.add_argument("model", metavar="MODEL_OR_CONFIG", help="a checkpoint directory or a config.json")
-    inspect.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="dtype of the weights and KV cache (default: the checkpoint's, else bfloat16)",
-    )
-    inspect.set_defaults(func=_inspect)
-    return inspect
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from vlmserve.bench.options import add_arguments
+
+    add_arguments(p)
 
 
-COMMANDS = {"chat": _chat_parser, "make-tiny": _make_tiny_parser, "inspect": _inspect_parser}
+def _bench(args: argparse.Namespace) -> int:
+    _check_model(args.model)
+    from vlmserve.bench.main import run
+
+    run(args)
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command(
+        "Run the OpenAI-compatible HTTP server",
+        "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        '/health, /metrics).\nThe engine runs in a child process; see README\'s "Server" for the safety options.',
+        _serve_arguments,
+        _serve,
+    ),
+    "chat": Command(
+        "Ask about images in the terminal: one question or a conversation",
+        "With a QUESTION: stream the answer and exit. Without one: a conversation, one line per turn, the history "
+        "kept\n(/image PATH attaches an image to the next turn, /help lists the commands, Ctrl-D quits).",
+        _chat_arguments,
+        _chat,
+        usage="vlmserve chat [options] [MODEL] [QUESTION]",
+    ),
+    "bench": Command(
+        "Benchmark vlmserve against transformers",
+        "A synthetic multimodal workload through vlmserve and transformers' generate on the same checkpoint:\n"
+        "throughput, time to first token, time per output token, sweeps; writes bench.json and bench.png.",
+        _bench_arguments,
+        _bench,
+    ),
+    "make-tiny": Command(
+        "Write a tiny random-weight checkpoint (hub layout)",
+        "Write a tiny random-weight checkpoint (Qwen2-VL, Qwen2.5-VL or Qwen-VL-Chat) in the published layout.",
+        _make_tiny_arguments,
+        _make_tiny,
+    ),
+    "inspect": Command(
+        "Parameters and memory of a model, from config.json",
+        "Parameters per part, and the memory its weights and KV cache need, from config.json alone (no weights).",
+        _inspect_arguments,
+        _inspect,
+    ),
+}
+
+
+def _check_model(model: str | None) -> None:
+    """A local checkpoint path must be one (hub ids are downloaded, and checked, when loading)."""
+    from vlmserve.model_files import looks_like_hub_id, resolve_model_dir
+
+    if model is None or looks_like_hub_id(model):
+        return
+    try:
+        resolve_model_dir(model)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+
+
+def top_parser() -> Parser:
+    from vlmserve.version import package_version
+
+    width = max(len(name) for name in COMMANDS) + 2
+    commands = "\n".join(f"  {name.ljust(width)}{command.summary}" for name, command in COMMANDS.items())
+    parser = Parser(
+        prog="vlmserve",
+        usage="vlmserve [-h] [--version] COMMAND [options]",
+        description=f"A serving engine for the Qwen vision-language family.\n\ncommands:\n{commands}",
+        epilog="Run 'vlmserve COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"vlmserve {package_version()}")
+    return parser
+
+
+def command_parser(name: str) -> Parser:
+    command = COMMANDS[name]
+    parser = Parser(prog=f"vlmserve {name}", description=command.description, usage=command.usage)
+    command.add_arguments(parser)
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks, and debug log lines (the prompt token ids the engine receives among them)",
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":
-        from vlmserve.bench.main import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "serve":
-        from vlmserve.serve.server import main as serve_main
-
-        return serve_main(argv[1:])
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__.strip(), file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        top_parser().print_help(sys.stderr)
+        return 2
+    name = argv[0]
+    if name not in COMMANDS:
+        parser = top_parser()
+        if name in ("-h", "--help", "--version"):
+            parser.parse_args(argv[:1])  # prints and exits 0
+        what = "option" if name.startswith("-") else "command"
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        parser.error(f"unknown {what} '{name}' (the commands: {', '.join(COMMANDS)}){hint}")
+    parser = command_parser(name)
     # Options may come before, between or after the positional words ("MODEL --image X QUESTION").
-    args = COMMANDS[argv[0]]().parse_intermixed_args(argv[1:])
-    return int(args.func(args))
+    args = parser.parse_intermixed_args(argv[1:])
+    from vlmserve.progress import configure_logging
+
+    configure_logging("DEBUG" if args.debug else getattr(args, "log_level", "INFO"))
+    try:
+        return int(COMMANDS[name].run(args))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except UserError as e:
+        return _fail(parser.prog, str(e), e.exit_code, args.debug)
+    except ValueError as e:  # a value the engine refused: max_model_len, the memory budget, ...
+        return _fail(parser.prog, str(e), 2, args.debug)
+    except OSError as e:  # a download, a file that cannot be read or written
+        return _fail(parser.prog, str(e), 2 if isinstance(e, FileNotFoundError) else 1, args.debug)
+    except Exception as e:
+        return _fail(parser.prog, f"{type(e).__name__}: {e} (--debug shows where)", 1, args.debug)
+
+
+def _fail(prog: str, message: str, code: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)  # one line
+    return code
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,101 +26,28 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from vlmserve.arg_types import network_and_port
+from vlmserve.engine.banner import log_banner
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
+from vlmserve.errors import UserError
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 from vlmserve.serve import shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
+from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
+from vlmserve.serve.options import add_arguments, bind, listen
 from vlmserve.serve.serving import ServingContext
+from vlmserve.version import package_version
 
 logger = logging.getLogger("vlmserve.api")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id (default: the tiny one)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("VLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--memory-budget-gib", type=float, default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--limit-images", type=int, default=8, help="images per request")
-    p.add_argument("--limit-videos", type=int, default=1, help="videos per request")
-    p.add_argument("--max-pixels", type=int, default=None, help="engine-wide cap on an image's resized pixels")
-    p.add_argument(
-        "--allowed-local-media-path",
-        type=Path,
-        default=None,
-        help="allow file:// and local paths, only under this folder (off by default)",
-    )
-    p.add_argument("--allowed-media-domains", nargs="*", default=[], help="only fetch media from these domains")
-    p.add_argument(
-        "--allow-media-network",
-        action="append",
-        default=[],
-        metavar="CIDR[:PORT]",
-        help="a private network media may be fetched from (refused by default)",
-    )
-    p.add_argument("--media-fetch-timeout", type=float, default=10.0)
-    p.add_argument("--max-media-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="refused before decoding above this")
-    p.add_argument(
-        "--max-image-tokens",
-        type=_positive_int,
-        default=None,
-        help="tokens one image may need after resizing, checked before decoding (default: what max_pixels gives)",
-    )
-    p.add_argument("--max-video-bytes", type=int, default=64 * 1024 * 1024, help="a video file, data URL or download")
-    p.add_argument(
-        "--max-video-frames", type=int, default=36_000, help="frames a video may hold (counted before decoding)"
-    )
-    p.add_argument(
-        "--max-shm-bytes",
-        type=int,
-        default=None,
-        help="bytes of image pixels in /dev/shm at once, over which a request gets 503 (413 if it alone is over; "
-        "default: half of /dev/shm's size)",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
-    p.add_argument("--max-n", type=int, default=8)
-    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 429")
-    p.add_argument(
-        "--read-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
-    )
-    p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
-    p.add_argument("--max-engine-restarts", type=int, default=3)
-    p.add_argument("--log-level", default="info")
-
-
 def _networks(specs: list[str]) -> tuple[tuple[Any, int | None], ...]:
-    out = []
-    for spec in specs:
-        cidr, _, port = spec.rpartition(":") if spec.count(":") == 1 or spec.endswith("]") else (spec, "", "")
-        network = ipaddress.ip_network((cidr or spec).strip("[]"), strict=False)
-        out.append((network, int(port) if port else None))
-    return tuple(out)
+    return tuple(network_and_port(spec) for spec in specs)
 
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
@@ -177,7 +104,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await client.start()
+        # The engine was started before the server began to listen (serve() below).
         yield
         await client.shutdown()
 
@@ -230,9 +157,15 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, asgi, _ = build(args)
+def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM on `sock` (bound from --host and --port if not given). Raises
+    UserError if the engine cannot start (its own error is logged above)."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    # The engine process inherits these.
+    os.environ["VLMSERVE_LOG_LEVEL"] = args.log_level
+    os.environ["VLMSERVE_LOG_STATS_INTERVAL"] = str(args.log_stats_interval)
+    sock = sock or bind(args.host, args.port)
+    app, asgi, client = build(args)
     server = DrainingServer(
         uvicorn.Config(
             asgi,
@@ -256,8 +189,26 @@ def run(args: argparse.Namespace) -> int:
         default_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
-    asyncio.run(server.serve())
+    asyncio.run(_serve(server, client, sock))
     return 0
+
+
+async def _serve(server: DrainingServer, client: EngineClient, sock: socket.socket) -> None:
+    """The engine first (loading and profiling the model), then the HTTP server on `sock`."""
+    try:
+        await client.start()
+    except EngineDeadError as e:
+        await client.shutdown()
+        raise UserError(f"the engine did not start: {e}") from None
+    try:
+        listen(sock)
+    except UserError:
+        await client.shutdown()
+        raise
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    log_banner(logger, client.engine.summary, f"vlmserve {package_version()} ready", url)
+    await server.serve(sockets=[sock])
 
 
 def main(argv: list[str] | None = None) -> int:

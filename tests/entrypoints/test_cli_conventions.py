@@ -1,0 +1,179 @@
+"""The command line as a newcomer meets it, run as a user runs it (the `vlmserve` console script
+in a subprocess): every command listed, --version, mistakes refused in one line with the
+documented exit code and before any model loads, and a conversation that keeps its history."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+from vlmserve.entrypoints.cli import COMMANDS, command_parser
+
+REPO = Path(__file__).resolve().parents[2]
+SUNSET = REPO / "examples" / "sunset.png"
+# Printed only once a model starts loading: an error reported before any of these came early.
+LOADING = ("loading weights", "profiling memory", "Traceback")
+
+
+def vlmserve(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("vlmserve", path=str(Path(sys.executable).parent)) or shutil.which("vlmserve")
+    assert exe, "the vlmserve console script is not installed (pip install -e .)"
+    return subprocess.run(
+        [exe, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env={**os.environ}
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The run failed with `code` and said why in exactly one line of stderr."""
+    lines = result.stderr.splitlines()
+    assert result.returncode == code, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert not any(word in result.stderr for word in LOADING), result.stderr
+    return lines[0]
+
+
+def test_help_lists_every_command_with_its_summary() -> None:
+    result = vlmserve("--help")
+    assert result.returncode == 0, result.stderr
+    section = result.stdout.split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    listed = dict(re.findall(r"^  (\S+) +(.+)$", section, re.MULTILINE))
+    assert listed == {name: command.summary for name, command in COMMANDS.items()}
+    assert {"serve", "chat", "bench", "make-tiny", "inspect"} <= set(listed)
+
+
+def test_version_is_the_installed_packages() -> None:
+    result = vlmserve("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"vlmserve {version('vlmserve')}\n"
+
+
+def test_every_option_of_every_command_has_help_and_says_its_default() -> None:
+    for name in COMMANDS:
+        parser = command_parser(name)
+        for action in parser._actions:
+            assert action.help, f"vlmserve {name} {action.option_strings or action.dest} has no help text"
+        text = parser.format_help().split("\noptions:\n", 1)[1]
+        for action in parser._actions:
+            if action.option_strings and action.default not in (None, False, [], "==SUPPRESS=="):
+                # The option's help entry (up to the next option) names its default.
+                entry = text.split(action.option_strings[-1], 1)[1].split("\n  -", 1)[0]
+                assert "default" in entry, f"vlmserve {name} {action.option_strings[-1]}: no default in its help"
+
+
+def test_an_unknown_command_is_named_with_a_suggestion() -> None:
+    line = one_error_line(vlmserve("chatt", "hi"), 2)
+    assert line.startswith("vlmserve: error: unknown command 'chatt'")
+    assert "did you mean 'chat'?" in line
+
+
+def test_an_abbreviated_option_is_refused_not_guessed() -> None:
+    line = one_error_line(vlmserve("chat", "--imag", str(SUNSET), "hi"), 2)
+    assert line.startswith("vlmserve chat: error: unrecognized arguments: --imag")
+
+
+def test_a_bad_option_value_is_named() -> None:
+    line = one_error_line(vlmserve("serve", "--port", "70000"), 2)
+    assert "argument --port: must be a TCP port, 1..65535, got 70000" in line
+
+
+def test_a_missing_model_directory_is_one_line_before_loading(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    for command in (("chat", str(missing), "hi"), ("serve", str(missing)), ("bench", str(missing), "--no-hf")):
+        line = one_error_line(vlmserve(*command), 2)
+        assert line == (
+            f"vlmserve {command[0]}: error: model '{missing}': no checkpoint directory there, and it is not a hub id "
+            "(org/name)"
+        )
+
+
+def test_a_missing_image_is_one_line_before_loading(tiny_dir: Path) -> None:
+    line = one_error_line(vlmserve("chat", str(tiny_dir), "--image", "/no/such.png", "hi"), 2)
+    assert line == "vlmserve chat: error: --image /no/such.png: no such file"
+
+
+def test_a_busy_port_is_one_line_before_loading(tiny_dir: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = one_error_line(vlmserve("serve", str(tiny_dir), "--port", str(port)), 1)
+    assert line == (
+        f"vlmserve serve: error: port {port} on 127.0.0.1 is already in use (another server?); stop it or choose "
+        "another with --port"
+    )
+
+
+def test_an_engine_that_cannot_start_is_reported_at_once_not_restarted(tiny_dir: Path) -> None:
+    """The engine process refuses the KV size after loading the model: the server says so and
+    exits 1 (before: the engine was started 4 times, then the server waited 600 s)."""
+    from tests.serve.conftest import free_port
+
+    result = vlmserve("serve", str(tiny_dir), "--port", str(free_port()), "--kv-cache-memory-gib", "1e-9")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line or "error:" in line]
+    assert len(errors) == 2, result.stderr  # the engine's one line, and the command's
+    assert "the engine cannot start: kv_cache_memory of 1 bytes holds no" in errors[0]
+    assert errors[1].startswith("vlmserve serve: error: the engine did not start: the engine process exited (code 1)")
+    assert result.stderr.count("loading weights") >= 1 and "restarting the engine" not in result.stderr
+
+
+def _logged_ids(stderr: str) -> list[list[int]]:
+    return [ast.literal_eval(ids) for ids in re.findall(r"prompt token ids (\[[\d, ]*\])", stderr)]
+
+
+def test_a_conversation_through_a_pipe_keeps_the_first_turn_in_the_second_prompt(
+    tiny_dir: Path, hf_tokenizer, hf_image_processor
+) -> None:  # type: ignore[no-untyped-def]
+    """Two turns: an image and a question, then a follow-up. The token ids the engine received
+    for the second turn are those of the whole conversation (the first question, its image and
+    the first answer, then the follow-up) as transformers renders and tokenizes it."""
+    turns = f"/image {SUNSET}\nWhat is in this picture?\nAnd what colour is it?\n"
+    args = ("chat", str(tiny_dir), "--max-tokens", "4", "--temperature", "0", "--dtype", "float32", "--debug")
+    result = vlmserve(*args, stdin=turns)
+    assert result.returncode == 0, result.stderr
+    first_ids, second_ids = _logged_ids(result.stderr)
+    (answer,) = re.findall(r"turn 1 answer: (.*)", result.stderr)
+    answer = ast.literal_eval(answer)
+    assert answer and result.stdout.startswith(answer + "\n")
+
+    from PIL import Image
+
+    grid = hf_image_processor(images=[Image.open(SUNSET).convert("RGB")], return_tensors="pt")["image_grid_thw"]
+    image_tokens = int(grid.prod()) // 4
+
+    def expected(messages: list[dict]) -> list[int]:
+        text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = text.replace("<|image_pad|>", "<|image_pad|>" * image_tokens)
+        return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    first = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}
+    second = {"role": "user", "content": [{"type": "text", "text": "And what colour is it?"}]}
+    assert first_ids == expected([first])
+    assert second_ids == expected([first, {"role": "assistant", "content": answer}, second])
+    assert second_ids[: len(first_ids)] == first_ids
+
+
+def test_a_conversation_command_error_leaves_the_conversation_going(tiny_dir: Path) -> None:
+    turns = "/image /no/such.png\n/nonsense\nhello\n"
+    result = vlmserve("chat", str(tiny_dir), "--max-tokens", "2", "--dtype", "float32", "--debug", stdin=turns)
+    assert result.returncode == 0, result.stderr
+    assert "error: /image /no/such.png: no such file" in result.stderr
+    assert "error: unknown command '/nonsense'; /help lists them" in result.stderr
+    (ids,) = _logged_ids(result.stderr)
+    assert 151655 not in ids  # no image went in
+    assert result.stdout.strip()
+
+
+def test_one_word_is_the_question_unless_it_names_a_model(tmp_path: Path) -> None:
+    from vlmserve.model_files import looks_like_hub_id
+
+    assert looks_like_hub_id("Qwen/Qwen2-VL-2B-Instruct")
+    assert not any(looks_like_hub_id(q) for q in ("hello there", "2+2", "what is 1/2?", "./org/name", str(tmp_path)))

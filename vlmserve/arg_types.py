@@ -1,0 +1,72 @@
+"""argparse types that refuse a bad value with a message naming it (argparse turns the message
+into `vlmserve CMD: error: argument --FLAG: ...`, exit code 2). Standard library only: the
+command line checks its arguments before torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from pathlib import Path
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1..65535, got {text}")
+    return value
+
+
+def existing_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return path
+
+
+def network(text: str) -> str:
+    """CIDR[:PORT] (IPv6 in brackets when a port is given): checked here, parsed by the server."""
+    try:
+        network_and_port(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not CIDR[:PORT] ({e})") from None
+    return text
+
+
+def network_and_port(spec: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]:
+    """As the server reads --allow-media-network."""
+    cidr, _, port_text = spec.rpartition(":") if spec.count(":") == 1 or spec.endswith("]") else (spec, "", "")
+    net = ipaddress.ip_network((cidr or spec).strip("[]"), strict=False)
+    if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+        raise ValueError(f"port {port_text!r} is not 1..65535")
+    return net, int(port_text) if port_text else None
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None

@@ -1,0 +1,191 @@
+"""`vlmserve serve`'s options. Standard library only, so that the command line checks them (and
+whether the port is free) before the server's heavy imports and the model load."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+
+from vlmserve.arg_types import existing_dir, network, non_negative_int, port, positive_float, positive_int
+from vlmserve.errors import UsageError, UserError
+
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory or Hugging Face hub id (default: the embedded tiny random-weight checkpoint)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $VLMSERVE_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: MODEL's last path part)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache dtype; auto: the checkpoint's (float16 becomes bfloat16 on the CPU)",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt + output in tokens (default: the checkpoint's max_position_embeddings)",
+    )
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests decoded together")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per engine step; longer prompts are chunked (default: 2048 on the CPU, 8192 on CUDA)",
+    )
+    p.add_argument(
+        "--memory-budget-gib",
+        type=positive_float,
+        default=None,
+        help="memory the engine may use in all (default: 90%% of a GPU, half the free RAM on the CPU)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-gib",
+        type=positive_float,
+        default=None,
+        help="a fixed KV cache size instead of planning it from the budget (skips the memory profile)",
+    )
+    p.add_argument("--limit-images", type=non_negative_int, default=8, help="images per request")
+    p.add_argument("--limit-videos", type=non_negative_int, default=1, help="videos per request")
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=None,
+        help="engine-wide cap on an image's resized pixels (default: the checkpoint's preprocessor_config.json)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        type=existing_dir,
+        default=None,
+        metavar="DIR",
+        help="allow file:// and local paths, only under this folder (default: no local files)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        metavar="DOMAIN",
+        help="only fetch media from these domains (default: any public host)",
+    )
+    p.add_argument(
+        "--allow-media-network",
+        action="append",
+        type=network,
+        default=[],
+        metavar="CIDR[:PORT]",
+        help="a private network media may be fetched from, repeatable (default: none; private addresses refused)",
+    )
+    p.add_argument("--media-fetch-timeout", type=positive_float, default=10.0, help="seconds to fetch one media URL")
+    p.add_argument(
+        "--max-media-bytes", type=positive_int, default=20 * 1024 * 1024, help="bytes of one image file or download"
+    )
+    p.add_argument(
+        "--max-image-pixels", type=positive_int, default=8192 * 8192, help="an image's pixels, refused before decoding"
+    )
+    p.add_argument(
+        "--max-image-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens one image may need after resizing, checked before decoding (default: what max_pixels gives)",
+    )
+    p.add_argument(
+        "--max-video-bytes",
+        type=positive_int,
+        default=64 * 1024 * 1024,
+        help="bytes of a video file, data URL or download",
+    )
+    p.add_argument(
+        "--max-video-frames",
+        type=positive_int,
+        default=36_000,
+        help="frames a video may hold (counted before decoding)",
+    )
+    p.add_argument(
+        "--max-shm-bytes",
+        type=positive_int,
+        default=None,
+        help="bytes of image pixels in /dev/shm at once, over which a request gets 503 (413 if it alone is over; "
+        "default: half of /dev/shm's size)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=positive_int, default=32 * 1024 * 1024, help="request body size (413 above it)"
+    )
+    p.add_argument("--max-n", type=positive_int, default=8, help="largest `n` (samples per request) accepted")
+    p.add_argument("--max-queue", type=positive_int, default=256, help="requests in flight before 429")
+    p.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
+    )
+    p.add_argument(
+        "--engine-threads", type=non_negative_int, default=0, help="torch threads in the engine (0: torch's default)"
+    )
+    p.add_argument(
+        "--max-engine-restarts",
+        type=non_negative_int,
+        default=3,
+        help="times a dead engine process is started again before the server gives up (503)",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between the engine's throughput lines while it has work (0: none)",
+    )
+    p.add_argument("--log-level", type=str.lower, default="info", choices=LOG_LEVELS, help="log level")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port another server listens
+    on is reported at once. It listens only once the engine is ready (listen() below): until
+    then a client's connection is refused, not left waiting. As vLLM does."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise _port_error(e, host, port) from None
+    return sock
+
+
+def listen(sock: socket.socket) -> None:
+    """Start listening on a socket from bind(). Two servers that bound the same port while both
+    were loading meet here: the second one gets the busy-port error."""
+    host, port = sock.getsockname()[:2]
+    try:
+        sock.listen(2048)
+    except OSError as e:
+        raise _port_error(e, host, port) from None
+
+
+def _port_error(e: OSError, host: str, port: int) -> UserError:
+    if e.errno == errno.EADDRINUSE:
+        return UserError(
+            f"port {port} on {host} is already in use (another server?); stop it or choose another with --port"
+        )
+    if e.errno == errno.EACCES:
+        return UserError(f"no permission to listen on port {port}; choose a port above 1023 with --port")
+    return UsageError(f"cannot listen on --host {host} --port {port}: {e.strerror or e}")
