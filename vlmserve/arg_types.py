@@ -33,6 +33,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     value = _int(text)
     if not 1 <= value <= 65535:

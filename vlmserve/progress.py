@@ -76,15 +76,10 @@ def progress(
 
 
 def configure_logging(level: str | int = "INFO") -> None:
-    """Log records of vlmserve's loggers to stderr at `level` (the command line's setup)."""
-    logger = logging.getLogger("vlmserve")
-    logger.setLevel(level.upper() if isinstance(level, str) else level)
-    if not any(getattr(h, "_vlmserve", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
-        handler._vlmserve = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False
+    """vlmserve's log records at `level` to stderr (the command line's setup): a stderr handler on
+    the root logger unless one is there, which leaves other libraries at WARNING."""
+    logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT, stream=sys.stderr)
+    logging.getLogger("vlmserve").setLevel(level.upper() if isinstance(level, str) else level)
 
 
 def configure_default_logging() -> None:

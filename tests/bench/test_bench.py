@@ -5,7 +5,10 @@ files are written."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from vlmserve.bench.main import main
 
@@ -75,3 +78,23 @@ def test_bench_engines_generate_the_same_greedy_tokens_and_reports_are_written(t
     sweeps = report["results"]["sweeps"]
     assert [r["concurrency"] for r in sweeps["concurrency"] if r["engine"] == "vlmserve"] == [1, 3]
     assert [r["image_tokens"] for r in sweeps["image_size"] if r["engine"] == "vlmserve"] == [4, 9]
+
+
+def test_bench_without_transformers_or_sweeps_prints_its_tables_and_phases(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    args = [str(tiny_dir), "--dtype", "float32", "--no-hf", "--num-requests", "2", "--image-size", "56"]
+    args += ["--input-len", "4", "--output-len", "2", "3", "--single-output-len", "3", "--threads", "2"]
+    with caplog.at_level(logging.INFO, logger="vlmserve"):
+        main([*args, "--concurrency", "--image-sizes", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "\nworkload\n" in out and "\none request alone\n" in out
+    phases = [r.getMessage() for r in caplog.records if r.name == "vlmserve.bench.main"]
+    assert [p.split(" (")[0] for p in phases] == [
+        "phase 1 of 3: vlmserve: loading the model",
+        "phase 2 of 3: vlmserve: the workload",
+        "phase 3 of 3: vlmserve: one request alone",
+    ]
+    # Each measured run shows its progress in output tokens, to the last one.
+    progress = [r.getMessage() for r in caplog.records if r.name == "vlmserve.bench.run_vlmserve"]
+    assert any(line.startswith("vlmserve workload: 5/5 tokens (100%)") for line in progress), progress

@@ -14,8 +14,6 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from vlmserve.entrypoints.cli import COMMANDS, command_parser
-
 REPO = Path(__file__).resolve().parents[2]
 SUNSET = REPO / "examples" / "sunset.png"
 # Printed only once a model starts loading: an error reported before any of these came early.
@@ -44,8 +42,10 @@ def test_help_lists_every_command_with_its_summary() -> None:
     assert result.returncode == 0, result.stderr
     section = result.stdout.split("commands:\n", 1)[1].split("\n\n", 1)[0]
     listed = dict(re.findall(r"^  (\S+) +(.+)$", section, re.MULTILINE))
+    assert list(listed) == ["serve", "chat", "bench", "make-tiny", "inspect"]
+    from vlmserve.entrypoints.cli import COMMANDS
+
     assert listed == {name: command.summary for name, command in COMMANDS.items()}
-    assert {"serve", "chat", "bench", "make-tiny", "inspect"} <= set(listed)
 
 
 def test_version_is_the_installed_packages() -> None:
@@ -55,6 +55,8 @@ def test_version_is_the_installed_packages() -> None:
 
 
 def test_every_option_of_every_command_has_help_and_says_its_default() -> None:
+    from vlmserve.entrypoints.cli import COMMANDS, command_parser
+
     for name in COMMANDS:
         parser = command_parser(name)
         for action in parser._actions:
@@ -177,3 +179,47 @@ def test_one_word_is_the_question_unless_it_names_a_model(tmp_path: Path) -> Non
 
     assert looks_like_hub_id("Qwen/Qwen2-VL-2B-Instruct")
     assert not any(looks_like_hub_id(q) for q in ("hello there", "2+2", "what is 1/2?", "./org/name", str(tmp_path)))
+
+
+def test_serve_logs_one_banner_weight_progress_and_throughput_lines(tiny_dir: Path, tmp_path: Path) -> None:
+    """The start-up log names what was built, once; weight loading shows progress; while a
+    request runs the engine logs throughput lines."""
+    import json
+    import time
+
+    from tests.serve.conftest import start_server
+
+    server = start_server(tiny_dir, tmp_path, "--log-level", "info", "--log-stats-interval", "0.5", api_key=None)
+    try:
+        log = server.log.read_text()
+        config = json.loads((tiny_dir / "config.json").read_text())
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4  # float32
+        # start_server's --kv-cache-memory-gib 0.05, capped at --max-num-seqs 16 x --max-model-len 4096
+        blocks = min(int(0.05 * (1 << 30)) // (16 * per_token), 16 * 4096 // 16)
+        port = server.url.rsplit(":", 1)[1]
+        banner = {
+            "model": f"{tiny_dir} (Qwen2VLForConditionalGeneration, Qwen2-VL)",
+            "dtype": "float32",
+            "max_model_len": "4096",
+            "KV cache": f"{blocks * 16:,} tokens ({blocks:,} blocks of 16)",
+            "serving": f"http://127.0.0.1:{port}/v1",
+        }
+        for name, value in banner.items():
+            assert re.search(rf"INFO vlmserve\.api:   {re.escape(name)} +{re.escape(value)}$", log, re.MULTILINE), log
+        assert log.count(f"vlmserve {version('vlmserve')} ready") == 1
+        # Once each: the KV line, and the memory plan (the engine process used to log it, and the API process again).
+        assert len(re.findall(r"  KV cache  ", log)) == 1 and len(re.findall(r"budget [\d.]+ GiB; weights", log)) == 1
+        assert re.search(r"loading weights: 0/\d+ tensors", log) and "tensors (100%)" in log, log
+
+        reply = server.post("/v1/completions", {"model": tiny_dir.name, "prompt": "hi", "max_tokens": 16})
+        assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 60
+        rates: list[float] = []
+        while not any(rates) and time.monotonic() < deadline:
+            log = server.log.read_text()
+            rates = [float(r) for r in re.findall(r"generation throughput: ([\d.]+) tokens/s", log)]
+            time.sleep(0.2)
+        assert any(rates), log
+    finally:
+        server.stop()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmserve.arg_types import non_negative_int, positive_int
+from vlmserve.arg_types import non_negative_float, non_negative_int, positive_int
 from vlmserve.errors import UsageError, UserError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -107,7 +107,10 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per answer, at most")
     p.add_argument(
-        "--temperature", type=_temperature, default=None, help="0: greedy (default: the checkpoint's generation config)"
+        "--temperature",
+        type=non_negative_float,
+        default=None,
+        help="0: greedy (default: the checkpoint's generation config)",
     )
     p.add_argument("--seed", type=int, default=None, help="makes sampled answers reproducible (default: none)")
     p.add_argument(
@@ -130,16 +133,6 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
         help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl and qwen2-vl on a "
         "0..1000 scale, qwen2.5-vl in the resized image's pixels",
     )
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def _chat(args: argparse.Namespace) -> int:
