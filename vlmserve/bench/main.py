@@ -241,7 +241,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[1].set(xscale="log", xlabel="requests in flight", ylabel="useful tokens/s", title="concurrency sweep")
     axes[2].set(xlabel="image tokens per request", ylabel="mean time to first token (s)", title="image size sweep")
     for ax in axes[1:]:
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no sweep run: nothing to name
+            ax.legend()
     fig.suptitle(f"{Path(report['model']).name}, {report['dtype']}, {report['machine']['threads']} threads")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
