@@ -1,13 +1,13 @@
 """EngineSupervisor's judgement of a silent engine, on a clock the test moves: unresponsive past
 the heartbeat timeout (and itself again when heard from), killed past the stall timeout, never
 while it is still loading; a heartbeat from another process counts for nothing. The process
-watched is a plain `sleep` in Python: what is judged is the supervisor, not an engine."""
+watched is `cat`: what is judged is the supervisor, not an engine, and a process that echoes a
+line after the supervisor's call was not killed by it (a SIGKILL sent lets it run no further)."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,10 +45,22 @@ def supervisor(tiny_dir: Path) -> Iterator[EngineSupervisor]:
         stall_timeout_s=5,
     )
     # In place of spawn(): a process that runs until killed.
-    supervisor._process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    supervisor._process = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     yield supervisor
     supervisor._process.kill()
-    supervisor._process.wait()
+    supervisor._process.communicate()
+
+
+def answers(supervisor: EngineSupervisor) -> bool:
+    """Whether the watched process echoes a line (it was not killed)."""
+    process = supervisor._process
+    assert process is not None and process.stdin is not None and process.stdout is not None
+    try:
+        process.stdin.write(b"ping\n")
+        process.stdin.flush()
+    except BrokenPipeError:
+        return False
+    return process.stdout.readline() == b"ping\n"
 
 
 def test_silence_past_the_heartbeat_timeout_is_unavailable_until_a_heartbeat_from_that_process(
@@ -66,7 +78,8 @@ def test_silence_past_the_heartbeat_timeout_is_unavailable_until_a_heartbeat_fro
     assert supervisor.unavailable_reason is None
     clock.now += 4.9  # silent again, not yet for the stall timeout
     supervisor.kill_if_stalled()
-    assert supervisor.running and supervisor.unavailable_reason == "the engine process has not responded for 5 s"
+    assert answers(supervisor)
+    assert supervisor.unavailable_reason == "the engine process has not responded for 5 s"
 
 
 def test_silence_past_the_stall_timeout_kills_the_engine_and_its_death_says_so(
@@ -74,6 +87,7 @@ def test_silence_past_the_stall_timeout_kills_the_engine_and_its_death_says_so(
 ) -> None:
     supervisor.mark_ready("plan")
     clock.now += 6.2
+    assert answers(supervisor)
     supervisor.kill_if_stalled()
     assert supervisor._process is not None
     assert supervisor._process.wait(30) == -signal.SIGKILL
@@ -85,5 +99,5 @@ def test_silence_past_the_stall_timeout_kills_the_engine_and_its_death_says_so(
 def test_an_engine_still_loading_is_not_judged_by_heartbeats(supervisor: EngineSupervisor, clock: Clock) -> None:
     clock.now += 3600  # no Ready yet: loading a large checkpoint sends nothing
     supervisor.kill_if_stalled()
-    assert supervisor.running
+    assert answers(supervisor)
     assert supervisor.unavailable_reason == "the engine is not running"
