@@ -8,8 +8,9 @@ layers in front of the app, outermost first:
     (compared in constant time), so no spelling of a path reaches an inference route without it;
   - body: read whole before anything else, under a deadline (408 past it) and the size cap (413
     for a streamed body over it), the connection closed after either;
-  - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down, 429
-    past the queue limit. A client that sends headers and then nothing holds no place in the queue.
+  - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down or not
+    responding (the message says which), 429 past the queue limit. A client that sends headers and
+    then nothing holds no place in the queue.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
             return await app(scope, receive, send)
         if state.draining:
             return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
-        if not state.client.healthy:
-            return await _send_error(send, APIError(503, "the engine is not running", code="engine_unavailable"))
+        reason = state.client.unavailable_reason
+        if reason is not None:
+            return await _send_error(send, APIError(503, reason, code="engine_unavailable"))
         if state.in_flight >= state.max_queue:
             return await _send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
         state.in_flight += 1
@@ -235,8 +237,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = ctx.client.healthy and not app.state.draining
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        reason = "the server is shutting down" if app.state.draining else ctx.client.unavailable_reason
+        if reason is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

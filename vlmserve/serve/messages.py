@@ -67,7 +67,14 @@ class Stats(msgspec.Struct, frozen=True, tag="stats"):
     preemptions: int
 
 
-FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats]  # noqa: UP007
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Sent every HEARTBEAT_INTERVAL_S by a thread of the engine process, whatever its step loop is
+    doing; `pid` tells the running engine's from a killed one's read late."""
+
+    pid: int
+
+
+FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats, Heartbeat]  # noqa: UP007
 
 # The engine's own types on the wire (tensors as vlmserve.engine.serial's extension), no pickle.
 to_engine_decoder = serial.decoder(ToEngine)

@@ -6,7 +6,10 @@ until the last one is done), then both processes exit. A client has --read-timeo
 a request's headers and again its body; past it the connection is closed.
 If the engine process dies, requests in flight get an error (a stream gets an error event),
 /health answers 503, and the engine is started again, up to --max-engine-restarts times; after
-that the server keeps answering 503 until it is restarted.
+that the server keeps answering 503 until it is restarted. An engine process that sends no
+heartbeat (one every 0.5 s, from a thread of its own) for --engine-heartbeat-timeout seconds is
+not responding: /health and new requests get 503 naming it until it is heard from again; silent
+for --engine-stall-timeout seconds, it is killed and restarted as after a death.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -111,6 +121,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
     p.add_argument("--max-engine-restarts", type=int, default=3)
+    p.add_argument(
+        "--engine-heartbeat-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds without a heartbeat from the engine process (it sends one every 0.5 s, however long its "
+        "step) after which /health and new requests get 503 naming it; requests in flight wait, and all is "
+        "normal again when it is heard from (default 10)",
+    )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds without a heartbeat after which the engine process is killed and restarted (counts toward "
+        "--max-engine-restarts); its requests in flight get 503 naming the stall (default 60, at least "
+        "--engine-heartbeat-timeout)",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -153,7 +181,14 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     )
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
-    client = EngineClient(config, frontend, threads=args.engine_threads, max_restarts=args.max_engine_restarts)
+    client = EngineClient(
+        config,
+        frontend,
+        threads=args.engine_threads,
+        max_restarts=args.max_engine_restarts,
+        heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        stall_timeout_s=args.engine_stall_timeout,
+    )
     ctx = ServingContext(
         frontend=frontend,
         client=client,
@@ -265,4 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="vlmserve serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    return run(parser.parse_intermixed_args(argv))
+    args = parser.parse_intermixed_args(argv)
+    if args.engine_stall_timeout < args.engine_heartbeat_timeout:
+        parser.error("--engine-stall-timeout must be at least --engine-heartbeat-timeout")
+    return run(args)
