@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import random_image
+from tests.conftest import random_image, write_video
 from tests.model_harness import Harness
 from tests.published_configs import QWEN3_VL_2B, QWEN3_VL_8B, QWEN3_VL_30B_A3B
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_token_type_ids
@@ -21,11 +21,12 @@ from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.processor.base import ImageInput, ProcessorLimits
+from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 from vlmserve.registry import load_model_config, parse_model_config
 from vlmserve.tokenizer import Tokenizer
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def chat(*parts: str) -> str:
@@ -292,3 +293,60 @@ def test_greedy_batched_and_alone_match_transformers_generate(  # type: ignore[n
     assert batched == expected
     alone = [out.outputs[0].token_ids for prompt in prompts for out in llm._run([prompt], [params])]
     assert alone == expected
+
+
+# -- video ----------------------------------------------------------------------------------------
+
+
+def video_prompt(model_dir: Path, text: str, pictures: list[Image.Image], clip: bytes) -> tuple[ProcessedPrompt, dict]:
+    """Our processed prompt, and transformers' vision inputs for it: the same pixels, the video as
+    one (t, h, w) grid as its video processor would give it (the processor itself needs torchvision)."""
+    from tests.processor.test_qwen3_vl import make_processor
+
+    prompt = make_processor(model_dir).process(text, [ImageInput(p) for p in pictures], [VideoInput(clip)])
+    images = [item for item in prompt.mm_items if item.modality == "image"]
+    frames = [item for item in prompt.mm_items if item.modality == "video"]
+    _, h, w = frames[0].grid_thw
+    vision = {
+        "pixel_values_videos": torch.cat([item.pixel_values for item in frames]),
+        "video_grid_thw": torch.tensor([[len(frames), h, w]]),
+    }
+    if images:
+        vision |= {
+            "pixel_values": torch.cat([item.pixel_values for item in images]),
+            "image_grid_thw": torch.tensor([item.grid_thw for item in images]),
+        }
+    return prompt, vision
+
+
+def test_video_logits_chunked_match_transformers_float32(tiny3_dir: Path, harness: Harness, hf3_model) -> None:  # type: ignore[no-untyped-def]
+    """An image then a 3-patch video: transformers' positions (each timestamped span at the
+    temporal position of its start) and logits, our prefill cut inside a span."""
+    clip = write_video(20, fps=8, width=64, height=48)
+    text = chat(IMAGE, "and", VIDEO, "what happens?")
+    prompt, vision = video_prompt(tiny3_dir, text, [image(14, 16, 12)], clip)
+    ids = prompt.prompt_token_ids
+    positions, delta = hf3_model.model.get_rope_index(
+        torch.tensor([ids]), mm_token_type_ids(torch.tensor([ids])), vision["image_grid_thw"], vision["video_grid_thw"]
+    )
+    assert torch.equal(positions[:, 0], prompt.mrope_positions) and int(delta) == prompt.mrope_delta
+    span = prompt.mm_items[2]
+    chunks = [span.offset + 7, prompt.num_tokens - span.offset - 7]
+    reference = hf_mm_logits(hf3_model, ids, vision)
+    assert (harness.logits(prompt, chunks=chunks) - reference).abs().max().item() < 1e-4
+
+
+def test_video_greedy_through_the_offline_api_matches_transformers_generate(tiny3_dir: Path, hf3_model) -> None:  # type: ignore[no-untyped-def]
+    """A video file through LLM.generate (the processor's timestamped spans, the engine's
+    per-span items) against transformers' generate on the same pixels."""
+    from vlmserve import LLM, SamplingParams
+
+    clip = write_video(20, fps=8, width=64, height=48)
+    text = chat(VIDEO, "What happens?")
+    llm = LLM(tiny3_dir, dtype="float32", max_model_len=1024, kv_cache_memory_gib=0.02, max_num_batched_tokens=40)
+    (out,) = llm.generate(
+        {"prompt": text, "multi_modal_data": {"video": clip}}, SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    )
+    prompt, vision = video_prompt(tiny3_dir, text, [], clip)
+    assert out.prompt_token_ids == prompt.prompt_token_ids
+    assert out.outputs[0].token_ids == hf_mm_greedy(hf3_model, prompt.prompt_token_ids, vision, MAX_NEW)
