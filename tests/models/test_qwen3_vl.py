@@ -350,3 +350,22 @@ def test_video_greedy_through_the_offline_api_matches_transformers_generate(tiny
     prompt, vision = video_prompt(tiny3_dir, text, [], clip)
     assert out.prompt_token_ids == prompt.prompt_token_ids
     assert out.outputs[0].token_ids == hf_mm_greedy(hf3_model, prompt.prompt_token_ids, vision, MAX_NEW)
+
+
+@pytest.mark.parametrize(
+    ("arch", "architecture"),
+    [("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")],
+)
+def test_make_tiny_writes_the_published_layout(arch: str, architecture: str, tmp_path: Path) -> None:
+    import json
+
+    from vlmserve.entrypoints.cli import main
+
+    out = tmp_path / arch
+    assert main(["make-tiny", "--arch", arch, "--untied", "--shards", "2", str(out)]) == 0
+    config = load_model_config(out / "config.json")
+    assert config.architecture == architecture and not config.text.tie_word_embeddings
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" in names and "model.visual.deepstack_merger_list.1.linear_fc2.weight" in names
+    assert ("model.language_model.layers.0.mlp.experts.gate_up_proj" in names) == (arch == "qwen3_vl_moe")
+    assert read_json(out / "preprocessor_config.json")["image_mean"] == [0.5, 0.5, 0.5]

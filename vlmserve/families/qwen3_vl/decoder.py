@@ -97,6 +97,8 @@ class Qwen3MoeExperts(nn.Module):
     def __init__(self, config: TextConfig, moe: MoeConfig) -> None:
         super().__init__()
         e, i, h = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        # What `vlmserve inspect` reads to count the parameters a token uses.
+        self.num_experts, self.num_experts_per_tok = e, moe.num_experts_per_tok
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [expert, gate | up, hidden]
         self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [expert, hidden, intermediate]
 
