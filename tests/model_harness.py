@@ -13,6 +13,7 @@ from vlmserve.engine.contracts import NewRequestData
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import CachedRequestState, ModelRunner
 from vlmserve.engine.request import Request
+from vlmserve.models.base import item_rows, place_multimodal
 from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.registry import family_of, load_model_config
@@ -62,11 +63,12 @@ class Harness:
         for n in sizes:
             start, end = request.num_computed_tokens, request.num_computed_tokens + n
             ids = torch.tensor(request.token_ids(start, end))
-            embeds = self.model.get_input_embeddings(ids)
+            spans = []
             for item, item_embeds in zip(prompt.mm_items, encoded, strict=True):
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
-                    embeds[lo - start : hi - start] = item_embeds[lo - item.offset : hi - item.offset]
+                    spans.append((lo - start, item_rows(item_embeds, lo - item.offset, hi - item.offset)))
+            embeds, extras = place_multimodal(self.model.get_input_embeddings(ids), spans)
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor([self.kv.slot("r", t) for t in range(start, end)]),
                 block_tables=torch.tensor([self.kv.block_ids["r"]]),
@@ -75,7 +77,7 @@ class Harness:
                 seq_lens_host=[end],
                 block_size=self.kv.block_size,
             )
-            hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds)
+            hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds, extras)
             out.append(self.model.compute_logits(hidden).float())
             request.num_computed_tokens = end
         self.kv.free("r")

@@ -29,6 +29,8 @@ class ModelReport:
     adapter: int  # Qwen-VL's resampler, Qwen2-VL's patch merger
     adapter_name: str
     total: int
+    # Parameters one token uses: the total less the experts a router does not pick (MoE).
+    active: int
     dtype: torch.dtype
     kv_bytes_per_token: int
     kv_layout: str
@@ -48,6 +50,17 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _unrouted(model: nn.Module) -> int:
+    """Expert parameters a token does not use: of each module of routed experts (one that says
+    num_experts and num_experts_per_tok), all but num_experts_per_tok / num_experts."""
+    unused = 0
+    for module in model.modules():
+        experts, per_token = getattr(module, "num_experts", None), getattr(module, "num_experts_per_tok", None)
+        if isinstance(experts, int) and isinstance(per_token, int):
+            unused += _count(module) * (experts - per_token) // experts
+    return unused
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -83,6 +96,7 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
         adapter=_count(model.get_submodule(parts["adapter"])),
         adapter_name=family.adapter_name,
         total=_count(model),  # a tied lm_head is not built on the meta device, so not counted twice
+        active=_count(model) - _unrouted(model),
         dtype=dtype,
         kv_bytes_per_token=per_token,
         kv_layout=f"{len(layers)} layers x (K + V) x {first.num_kv_heads} KV heads x {first.head_dim}",
@@ -107,6 +121,8 @@ def format_report(r: ModelReport) -> str:
         (f"  {r.adapter_name}", r.adapter),
         ("total", r.total),
     ]
+    if r.active != r.total:
+        rows.append(("active per token (routed experts)", r.active))
     lines = [f"{r.architecture} (model_type {r.model_type!r}), parameters:"]
     lines += [f"  {name:<40} {count:>16,}" for name, count in rows]
     lines.append(f"weights in {dtype}: {_bytes(r.weight_bytes)}")

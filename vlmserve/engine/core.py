@@ -62,7 +62,10 @@ class EngineCore:
         block_bytes = self.runner.kv_bytes_per_token * config.block_size
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         dtype_size = torch.empty((), dtype=self.dtype).element_size()
-        encoder_cache = sched.encoder_cache_tokens * self.model_info.model_config.text.hidden_size * dtype_size
+        model_config = self.model_info.model_config
+        encoder_cache = (
+            sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
+        )
         per_seq = -(-self.max_model_len // config.block_size)
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes

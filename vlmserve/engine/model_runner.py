@@ -16,7 +16,7 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.sampler import Sampler, token_logprobs
-from vlmserve.models.base import VLModel
+from vlmserve.models.base import VLModel, item_rows, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
 
@@ -175,7 +175,7 @@ class ModelRunner:
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
                     embeds = self.encoder_cache[item.content_hash]
-                    mm_spans.append((base + lo - start, embeds[lo - item.offset : hi - item.offset]))
+                    mm_spans.append((base + lo - start, item_rows(embeds, lo - item.offset, hi - item.offset)))
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             block_rows.append(state.block_ids)
@@ -185,10 +185,8 @@ class ModelRunner:
 
         meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        inputs_embeds = self.model.get_input_embeddings(input_ids)
-        for row, embeds in mm_spans:
-            inputs_embeds[row : row + embeds.shape[0]] = embeds.to(inputs_embeds.dtype)
-        hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds)
+        inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), mm_spans)
+        hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds, layer_extras)
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()

@@ -153,10 +153,10 @@ def _chat_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--box-convention",
-        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl"],
+        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"],
         default=None,
-        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl and qwen2-vl on a "
-        "0..1000 scale, qwen2.5-vl in the resized image's pixels",
+        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl, qwen2-vl and qwen3-vl "
+        "on a 0..1000 scale, qwen2.5-vl in the resized image's pixels",
     )
     chat.set_defaults(func=_chat)
     return chat
