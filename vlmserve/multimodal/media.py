@@ -34,6 +34,9 @@ class MediaLimits:
     # Placeholder tokens one image may need after resizing (--max-image-tokens); None: what the
     # processor's max_pixels and max_model_len give. Checked on the header, before decoding.
     max_image_tokens: int | None = None
+    # The same for one video, all its frames (--max-video-tokens); None: what max_model_len gives.
+    # Checked on the container's index, before any frame is decoded.
+    max_video_tokens: int | None = None
     fetch_timeout_s: float = 10.0
     # None: local paths and file:// URLs are allowed anywhere (the offline API's default);
     # a folder: only files under it.
