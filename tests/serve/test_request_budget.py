@@ -28,7 +28,9 @@ from PIL import Image, ImageFile
 from tests.conftest import write_video
 from tests.serve.conftest import Server, data_url, picture, segments_left, start_server
 from tests.serve.test_image_budget import _stream_content, huge_png_url
+from vlmserve.families.qwen2_vl import processor as qwen2_vl_processor
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
+from vlmserve.families.qwen_vl import processor as qwen_vl_processor
 from vlmserve.families.qwen_vl.processor import DRAFT_MIN_SIDE, QwenVLProcessor
 from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.model_files import read_json
@@ -193,6 +195,43 @@ def test_the_total_is_checked_from_the_headers_before_any_image_is_decoded(
     with pytest.raises(ValueError, match=rf"image 1: {SIDE_TOKENS}, image 2: {SIDE_TOKENS}\."):
         processor.process(IMAGE * 2 + "Same?", images)
     assert loads == []
+
+
+def _closed(image: Image.Image) -> bool:
+    try:
+        image.im  # noqa: B018 (raises once the image is closed)
+    except ValueError:
+        return True
+    return False
+
+
+def test_a_request_holds_one_decoded_image_at_a_time(
+    tiny_dir: Path, tiny_qwen_vl_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[Image.Image] = []
+    held: list[int] = []  # decoded images not yet released, each time one is resized
+    real_load = ImageFile.ImageFile.load
+
+    def recording_load(self: ImageFile.ImageFile):  # type: ignore[no-untyped-def]
+        if self.tile:
+            decoded.append(self)
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", recording_load)
+    for module, name in ((qwen2_vl_processor, "process_image"), (qwen_vl_processor, "preprocess_image")):
+        real = getattr(module, name)
+
+        def counting(*args: Any, real: Any = real) -> Any:
+            held.append(sum(not _closed(image) for image in decoded))
+            return real(*args)
+
+        monkeypatch.setattr(module, name, counting)
+    images = [ImageInput(png(100 + k, 80), label=f"image {k}") for k in range(3)]
+    _qwen2_vl_processor(tiny_dir).process(IMAGE * 3 + "Which differ?", images)
+    assert held == [1, 1, 1]
+    held.clear()
+    _qwen_vl_processor(tiny_qwen_vl_dir).process("<img></img>" * 3 + "Which differ?", images)
+    assert held == [1, 1, 1]
 
 
 # -- --limit-mm-per-prompt --------------------------------------------------------------------------

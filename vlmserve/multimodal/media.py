@@ -176,14 +176,16 @@ def oriented_size(image: Image.Image) -> tuple[int, int]:
 
 
 def load_pixels(image: Image.Image, label: str) -> Image.Image:
-    """Decode an image from open_lazily / open_image, with the EXIF orientation applied."""
+    """Decode an image from open_lazily / open_image, with the EXIF orientation applied: the
+    same object, its pixels decoded (in place: exif_transpose would return a copy even of an
+    image it does not turn, twice the memory of a large one)."""
     try:
         image.load()
         # Same orientation handling as transformers' load_image.
-        oriented = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         raise MediaError(f"{label}: image data is truncated or corrupt") from None
-    return oriented
+    return image
 
 
 def open_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:

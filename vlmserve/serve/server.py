@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.media import MediaLimits
-from vlmserve.serve import shm
+from vlmserve.serve import memory, shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.fetch import FetchPolicy
@@ -264,6 +264,7 @@ class DrainingServer(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    memory.return_freed_memory()
     app, asgi, _ = build(args)
     server = DrainingServer(
         uvicorn.Config(

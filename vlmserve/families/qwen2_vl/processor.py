@@ -189,18 +189,14 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
                 )
             )
 
-        pil_images = [
-            pil if isinstance(image.source, Image.Image) else load_pixels(pil, image.label)
-            for image, pil in zip(images, opened, strict=True)
-        ]
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        next_image = iter(zip(pil_images, images, image_counts, strict=True))
+        next_image = iter(zip(opened, images, image_counts, strict=True))
         next_video = iter(zip(plans, video_counts, strict=True))
         for token in token_ids:
             if token == image_id:
                 pil, image, count = next(next_image)
-                item = self._item("image", process_image(pil, self.image_config, image.sizing), count, len(expanded))
+                item = self._item("image", self._decode_and_process(pil, image), count, len(expanded))
             elif token == video_id:
                 plan, count = next(next_video)
                 processed = process_video(plan, self.image_config, self.media_limits)
@@ -251,6 +247,16 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
                 )
             )
         return count
+
+    def _decode_and_process(self, pil: Image.Image, image: ImageInput) -> ProcessedImage:
+        """One image's pixels, decoded (a PIL image passed in: as it is) and released once
+        processed, so that a request holds one decoded image at a time."""
+        if isinstance(image.source, Image.Image):
+            return process_image(pil, self.image_config, image.sizing)
+        try:
+            return process_image(load_pixels(pil, image.label), self.image_config, image.sizing)
+        finally:
+            pil.close()
 
     def _video_tokens(self, plan: VideoPlan) -> int:
         t, h, w = plan.grid_thw

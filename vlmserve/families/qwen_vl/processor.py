@@ -299,10 +299,14 @@ class QwenVLProcessor(QwenVLProcessingInfo):
         width, height = pil.size if isinstance(image.source, Image.Image) else oriented_size(pil)
         if width <= 0 or height <= 0:
             raise MediaError(f"{image.label}: image is zero-sized ({width}x{height})")
-        if not isinstance(image.source, Image.Image):
+        if isinstance(image.source, Image.Image):
+            pixel_values, content_hash = preprocess_image(pil)
+        else:
             pil.draft(None, (DRAFT_MIN_SIDE, DRAFT_MIN_SIDE))  # a no-op but for a JPEG
-            pil = load_pixels(pil, image.label)
-        pixel_values, content_hash = preprocess_image(pil)
+            try:
+                pixel_values, content_hash = preprocess_image(load_pixels(pil, image.label))
+            finally:
+                pil.close()  # one decoded image held at a time
         return MultiModalItem(
             modality="image",
             offset=offset,
