@@ -5,10 +5,10 @@
 Starts `vlmserve serve` (default: the tiny random Qwen2-VL, with --max-pixels 1003520 so that a
 4000x4000 image is resized to 980x980, 1225 tokens, within the budget), then sends --rounds
 rounds of --concurrency chat requests at once, each with --images-per-request images of --side x
---side pixels (a JPEG photo, or a PNG of one colour), and prints
-the API process's resident memory (/proc/PID/status: VmRSS, of which RssAnon is its own heap)
-when idle, at its peak in each round (sampled every 10 ms), and a second after each round.
-Memory not returned after a round is what the process keeps holding while idle.
+--side pixels (a JPEG photo, or a PNG of one colour), and prints the API process's resident
+memory (/proc/PID/status: VmRSS, of which RssAnon is its own heap) when idle, at its peak in each
+round (sampled every 10 ms), and a second after each round. Memory not returned after a round is
+what the process keeps holding while idle. Results: docs/security.md.
 """
 
 from __future__ import annotations
