@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.media import MediaLimits
-from vlmserve.serve import shm
+from vlmserve.serve import memory, shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.fetch import FetchPolicy
@@ -56,6 +57,22 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt: a JSON object of modality -> items one request may hold."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object like \'{{"image": 4, "video": 1}}\', got {text!r}')
+    for modality, count in value.items():
+        if modality not in ("image", "video"):
+            raise argparse.ArgumentTypeError(f"unknown modality {modality!r}; image and video are served")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise argparse.ArgumentTypeError(f"{modality}: expected a non-negative integer, got {count!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub id (default: the tiny one)")
     p.add_argument("--host", default="127.0.0.1")
@@ -75,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--limit-images", type=int, default=8, help="images per request")
     p.add_argument("--limit-videos", type=int, default=1, help="videos per request")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_limit_mm_per_prompt,
+        default={},
+        metavar="JSON",
+        help='items per request by modality, as vLLM takes it: \'{"image": 4, "video": 1}\' (0 refuses the '
+        "modality); a modality left out keeps --limit-images / --limit-videos",
+    )
     p.add_argument("--max-pixels", type=int, default=None, help="engine-wide cap on an image's resized pixels")
     p.add_argument(
         "--allowed-local-media-path",
@@ -98,6 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         help="tokens one image may need after resizing, checked before decoding (default: what max_pixels gives)",
+    )
+    p.add_argument(
+        "--max-video-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens one video may need (all its frames), checked before decoding (default: max_model_len - 1)",
     )
     p.add_argument("--max-video-bytes", type=int, default=64 * 1024 * 1024, help="a video file, data URL or download")
     p.add_argument(
@@ -166,12 +197,13 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         memory_budget_bytes=None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GiB),
-        limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos},
+        limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos, **args.limit_mm_per_prompt},
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,
             max_image_pixels=args.max_image_pixels,
             max_image_tokens=args.max_image_tokens,
+            max_video_tokens=args.max_video_tokens,
             fetch_timeout_s=args.media_fetch_timeout,
             allowed_local_media_path=args.allowed_local_media_path,
             allow_local_files=args.allowed_local_media_path is not None,
@@ -267,6 +299,7 @@ class DrainingServer(uvicorn.Server):
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    memory.return_freed_memory()
     app, asgi, _ = build(args)
     server = DrainingServer(
         uvicorn.Config(
