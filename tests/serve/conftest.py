@@ -81,7 +81,9 @@ class Server:
                 self.process.wait()
 
 
-def start_server(model_dir: Path, tmp: Path, *extra: str, api_key: str | None = API_KEY) -> Server:
+def start_server(
+    model_dir: Path, tmp: Path, *extra: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
+) -> Server:
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [
@@ -111,7 +113,9 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, api_key: str | None = 
         *(["--api-key", api_key] if api_key else []),
         *extra,
     ]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+    process = subprocess.Popen(
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
     _OUR_PIDS.add(process.pid)
     server = Server(process, f"http://127.0.0.1:{port}", api_key, log)
     try:

@@ -1,9 +1,11 @@
 """What the two endpoints' serving share: the context they run in (front end, engine client,
 metrics, fetch policy, served name, the cap on n), and one engine request's outputs, counted in
-the metrics by outcome, with the engine's refusal (400) and death (503) as API errors."""
+the metrics by outcome, with the engine's refusal (400), its error while computing the request
+(500, the details in the log only) and its death (503) as API errors."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -12,11 +14,13 @@ from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.engine_client import EngineClient, RequestRefused
+from vlmserve.serve.engine_client import EngineClient, RequestFailedInEngine, RequestRefused
 from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
 from vlmserve.serve.protocol import APIError
+
+logger = logging.getLogger("vlmserve.api")
 
 
 @dataclass
@@ -55,6 +59,11 @@ class EngineServing:
         except RequestRefused as e:
             outcome = "error"
             raise APIError(400, str(e)) from None
+        except RequestFailedInEngine as e:
+            outcome = "error"
+            logger.error("request %s failed in the engine: %s", request_id, e)
+            message = f"internal error while computing this request ({request_id})"
+            raise APIError(500, message, code="internal_error") from None
         except EngineDeadError as e:
             outcome = "engine_down"
             raise APIError(503, str(e), code="engine_unavailable") from None
