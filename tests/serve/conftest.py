@@ -82,11 +82,20 @@ class Server:
 
 
 def start_server(
-    model_dir: Path, tmp: Path, *extra: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
+    model_dir: Path,
+    tmp: Path,
+    *extra: str,
+    api_key: str | None = API_KEY,
+    env: dict[str, str] | None = None,
+    served_model_name: str | None = "tiny",
+    wrap: tuple[str, ...] = (),
 ) -> Server:
+    """`served_model_name`: the name requests give (None: the server's default, the folder name).
+    `wrap`: a command that execs the rest (the server keeps the PID Popen sees)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [
+        *wrap,
         sys.executable,
         "-m",
         "vlmserve.entrypoints.cli",
@@ -111,6 +120,7 @@ def start_server(
         "--log-level",
         "warning",
         *(["--api-key", api_key] if api_key else []),
+        *(["--served-model-name", served_model_name] if served_model_name else []),
         *extra,
     ]
     process = subprocess.Popen(

@@ -55,7 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("VLMSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
     )
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names a request's model may give (the first is the one responses carry; default: the "
+        "checkpoint folder's name); any other name gets 404",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -153,6 +159,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     )
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
+    names = tuple(args.served_model_name or [Path(args.model).name])
     client = EngineClient(config, frontend, threads=args.engine_threads, max_restarts=args.max_engine_restarts)
     ctx = ServingContext(
         frontend=frontend,
@@ -164,8 +171,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
             max_bytes=args.max_media_bytes,
             timeout_s=args.media_fetch_timeout,
         ),
-        model_name=args.served_model_name or Path(args.model).name,
+        model_name=names[0],
         max_n=args.max_n,
+        served_model_names=names,
     )
     app, asgi = build_app(
         ctx,

@@ -18,9 +18,10 @@ from vlmserve.serve.engine_client import EngineClient, RequestFailedInEngine, Re
 from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
-from vlmserve.serve.protocol import APIError
+from vlmserve.serve.protocol import APIError, check_text
 
 logger = logging.getLogger("vlmserve.api")
+MAX_NAME_SHOWN = 256  # characters of an unknown model name an error echoes
 
 
 @dataclass
@@ -29,8 +30,19 @@ class ServingContext:
     client: EngineClient
     metrics: Metrics
     fetch_policy: FetchPolicy
-    model_name: str
+    model_name: str  # the name responses carry
     max_n: int = 8
+    # Every name a request's `model` may give (model_name among them); empty: model_name alone.
+    served_model_names: tuple[str, ...] = ()
+
+    def check_model(self, name: str | None) -> None:
+        """A request names a served model or none (the served one, as in vLLM); any other name is
+        a 404 in vLLM's words, the name shown truncated."""
+        if name is None or name in (self.served_model_names or (self.model_name,)):
+            return
+        check_text(name, "model")  # echoed below: it must encode
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist.", "model", "model_not_found", "NotFoundError")
 
 
 class EngineServing:
