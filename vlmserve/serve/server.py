@@ -3,7 +3,8 @@
 The API process (this one) runs FastAPI under uvicorn; the engine runs in a child process. On
 SIGTERM the server drains: requests in flight finish while new ones get 503 (the port stays open
 until the last one is done), then both processes exit. A client has --read-timeout seconds to send
-a request's headers and again its body; past it the connection is closed.
+a request's headers and again its body; past it the connection is closed. At most
+--max-connections client connections are open at once (vlmserve/serve/connections.py).
 If the engine process dies, requests in flight get an error (a stream gets an error event),
 /health answers 503, and the engine is started again, up to --max-engine-restarts times; after
 that the server keeps answering 503 until it is restarted.
@@ -29,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.media import MediaLimits
-from vlmserve.serve import shm
+from vlmserve.serve import connections, shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.fetch import FetchPolicy
@@ -114,6 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1024,
+        help="client connections open at once (lowered to fit the open-files limit); past it the one idle "
+        "longest is closed",
     )
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
     p.add_argument("--max-engine-restarts", type=int, default=3)
@@ -241,15 +249,23 @@ class DrainingServer(uvicorn.Server):
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app, asgi, _ = build(args)
+    open_files = connections.raise_open_files_limit()
+    in_use = connections.open_descriptors()
+    max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
+    if max_connections < args.max_connections:
+        logger.warning(
+            "at most %d client connections fit under the open-files limit of %d", max_connections, open_files
+        )
     server = DrainingServer(
         uvicorn.Config(
             asgi,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            http=header_deadline(args.read_timeout),
+            http=connections.capped_connections(header_deadline(args.read_timeout), max_connections),
             timeout_keep_alive=min(5.0, args.read_timeout),
             timeout_graceful_shutdown=60,
+            backlog=backlog,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
         ),
