@@ -11,7 +11,7 @@ import torch
 from vlmserve.attention import select_backend
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
-from vlmserve.engine.contracts import EngineCoreOutput
+from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
@@ -54,7 +54,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        # Requests a step failed for, with why, since the last take_failed().
+        # Requests an error in the engine failed, with why, since the last take_failed().
         self.failed: dict[str, str] = {}
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
@@ -123,23 +123,41 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        """One step. If computing it raises, the step is undone and its requests are run one at a
-        time: those that still raise are failed (take_failed() says why), the others get the tokens
-        they would have had alone, and the engine goes on."""
-        scheduler_output = self.scheduler.schedule()
+        """One step: schedule, execute, update. No error in it ends the engine: a request whose
+        computation or update raises is failed alone (take_failed() names it) and the others get
+        the tokens they would have had without it; an error that cannot be pinned on one request
+        (in schedule(), or leaving the caches in an unknown state) fails every request in flight
+        and the engine goes on from empty caches."""
+        try:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self._execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception:
+            logger.exception("an engine step failed outside any one request; failing every request in flight")
+            for request_id in self.scheduler.reset():
+                self.failed[request_id] = "the engine's state was reset after an error"
+            self.runner.reset()
+            return []
+        for request_id in self.scheduler.take_failed():
+            self.failed[request_id] = "updating this request raised"
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. If it raises, the step is undone and its requests run one at a time:
+        those that still raise are failed (their KV blocks and encoder outputs freed)."""
         snapshot = self.runner.snapshot(scheduler_output)
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            return self.runner.execute(scheduler_output)
         except Exception:
             logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
-            runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
-            for request_id, message in failed.items():
-                # Everything it holds is freed; take_failed() reports it.
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-                self.failed[request_id] = message
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
+        for request_id, message in failed.items():
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self.failed[request_id] = message
+        return runner_output
 
     def take_failed(self) -> dict[str, str]:
-        """Request id -> why, for each request a step failed since the last call (they are gone)."""
+        """Request id -> why (for the log), for each request failed by an error in the engine
+        since the last call (they are gone)."""
         failed, self.failed = self.failed, {}
         return failed

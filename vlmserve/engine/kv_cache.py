@@ -182,6 +182,12 @@ class KVCacheManager:
             # so it should be the last to be evicted.
             self.pool.free(blocks[::-1])
 
+    def reset(self) -> None:
+        """Every block free, no request holding any, nothing cached (statistics kept)."""
+        self.pool = BlockPool(self.pool.num_blocks)
+        self.block_ids.clear()
+        self._num_cached_blocks.clear()
+
     def slot(self, request_id: str, token_index: int) -> int:
         blocks = self.block_ids[request_id]
         return blocks[token_index // self.block_size] * self.block_size + token_index % self.block_size

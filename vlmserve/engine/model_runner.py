@@ -116,6 +116,11 @@ class ModelRunner:
         for content_hash in content_hashes:
             self.encoder_cache.pop(content_hash, None)
 
+    def reset(self) -> None:
+        """Forget every request and encoder output (the scheduler's reset, after an error)."""
+        self.requests.clear()
+        self.encoder_cache.clear()
+
     # -- a step ---------------------------------------------------------------------------------
 
     def _update_states(self, step: SchedulerOutput) -> None:

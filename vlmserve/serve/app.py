@@ -252,17 +252,14 @@ def build_app(
         return {
             "object": "list",
             "data": [
-                {
-                    "id": ctx.model_name,
-                    "object": "model",
-                    "owned_by": "vlmserve",
-                    "max_model_len": ctx.frontend.max_model_len,
-                }
+                {"id": name, "object": "model", "owned_by": "vlmserve", "max_model_len": ctx.frontend.max_model_len}
+                for name in ctx.served_model_names or (ctx.model_name,)
             ],
         }
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
             return StreamingResponse(chat_serving.stream(body, prompt, params), media_type="text/event-stream")
@@ -270,6 +267,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
             return StreamingResponse(completion_serving.stream(prompts, params), media_type="text/event-stream")

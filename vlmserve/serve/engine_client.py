@@ -56,6 +56,11 @@ class RequestRefused(ValueError):
     """The engine refused the request; the message says why (e.g. it can never fit)."""
 
 
+class RequestFailedInEngine(RuntimeError):
+    """An error in the engine failed the request (the engine went on); the message, for the
+    log only, says where."""
+
+
 class EngineClient:
     def __init__(
         self,
@@ -213,7 +218,8 @@ class EngineClient:
             self.segments.pop(message.request_id, None)  # the engine released them
             queue = self.queues.get(message.request_id)
             if queue is not None:
-                queue.put_nowait(RequestRefused(message.message))
+                error = RequestFailedInEngine if message.internal else RequestRefused
+                queue.put_nowait(error(message.message))
         elif isinstance(message, Stats):
             if self.engine.ready.is_set():  # not the last words of a dead engine, read after its death
                 self.stats = message

@@ -108,8 +108,8 @@ class EngineLoop:
                 self._send_stats()
 
     def _step(self) -> None:
-        """One engine step; a request the step failed for is answered RequestFailed (its
-        siblings finished too) and the engine goes on."""
+        """One engine step; a request an error in the engine failed is answered RequestFailed
+        (internal; its siblings finished too) and the engine goes on."""
         outputs = self.core.step()
         for output in outputs:
             if output.finish_reason is not None:
@@ -124,7 +124,7 @@ class EngineLoop:
             self.core.finish_requests(siblings)
             for sibling in siblings:
                 self.parents.pop(sibling, None)
-            self.push.send(encoder.encode(RequestFailed(parent, why)))
+            self.push.send(encoder.encode(RequestFailed(parent, why, internal=True)))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -153,6 +153,11 @@ class EngineLoop:
         except (ValueError, shm.ShmError) as e:
             self.core.finish_requests(list(message.child_ids))  # any child already admitted
             self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))
+        except Exception as e:  # our own error, not the request's: it fails alone
+            logger.exception("adding request %s failed", message.request_id)
+            self.core.finish_requests(list(message.child_ids))
+            why = f"adding it raised {type(e).__name__}"
+            self.push.send(encoder.encode(RequestFailed(message.request_id, why, internal=True)))
 
     def _prompt(self, message: AddRequest) -> ProcessedPrompt:
         """Pixels out of shared memory (segments unlinked whatever happens)."""

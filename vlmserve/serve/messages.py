@@ -50,10 +50,13 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag="failed"):
-    """The engine refused a request (its segments are released); `message` names why."""
+    """The engine refused a request, or failed it (its segments are released); `message` names
+    why. `internal`: the engine's own error while computing it, not something wrong with the
+    request (the client gets a 500 without the message, which goes to the log)."""
 
     request_id: str
     message: str
+    internal: bool = False
 
 
 class Stats(msgspec.Struct, frozen=True, tag="stats"):

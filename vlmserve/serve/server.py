@@ -3,7 +3,8 @@
 The API process (this one) runs FastAPI under uvicorn; the engine runs in a child process. On
 SIGTERM the server drains: requests in flight finish while new ones get 503 (the port stays open
 until the last one is done), then both processes exit. A client has --read-timeout seconds to send
-a request's headers and again its body; past it the connection is closed.
+a request's headers and again its body; past it the connection is closed. At most
+--max-connections client connections are open at once (vlmserve/serve/connections.py).
 If the engine process dies, requests in flight get an error (a stream gets an error event),
 /health answers 503, and the engine is started again, up to --max-engine-restarts times; after
 that the server keeps answering 503 until it is restarted. An engine process that sends no
@@ -33,7 +34,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.media import MediaLimits
-from vlmserve.serve import memory, shm
+from vlmserve.serve import connections, memory, shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.fetch import FetchPolicy
@@ -82,7 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("VLMSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
     )
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names a request's model may give (the first is the one responses carry; default: the "
+        "checkpoint folder's name); any other name gets 404",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -150,6 +157,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
     )
+    p.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1024,
+        help="client connections open at once (lowered to fit the open-files limit); past it the one idle "
+        "longest is closed",
+    )
     p.add_argument("--engine-threads", type=int, default=0, help="torch threads in the engine (0: torch's default)")
     p.add_argument("--max-engine-restarts", type=int, default=3)
     p.add_argument(
@@ -213,6 +227,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     )
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
+    names = tuple(args.served_model_name or [Path(args.model).name])
     client = EngineClient(
         config,
         frontend,
@@ -231,8 +246,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
             max_bytes=args.max_media_bytes,
             timeout_s=args.media_fetch_timeout,
         ),
-        model_name=args.served_model_name or Path(args.model).name,
+        model_name=names[0],
         max_n=args.max_n,
+        served_model_names=names,
     )
     app, asgi = build_app(
         ctx,
@@ -301,15 +317,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     memory.return_freed_memory()
     app, asgi, _ = build(args)
+    open_files = connections.raise_open_files_limit()
+    in_use = connections.open_descriptors()
+    max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
+    if max_connections < args.max_connections:
+        logger.warning(
+            "at most %d client connections fit under the open-files limit of %d", max_connections, open_files
+        )
     server = DrainingServer(
         uvicorn.Config(
             asgi,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            http=header_deadline(args.read_timeout),
+            http=connections.capped_connections(header_deadline(args.read_timeout), max_connections),
             timeout_keep_alive=min(5.0, args.read_timeout),
             timeout_graceful_shutdown=60,
+            backlog=backlog,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
         ),
