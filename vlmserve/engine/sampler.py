@@ -5,9 +5,10 @@ samples do not depend on what else is in the batch.
 
 Each stage is one batched tensor operation over the rows that use it (a Python loop per row only
 gathers the ids to mask), and is skipped when no row in the batch uses it. The penalties are
-recomputed every step from each row's token ids, padded into one [rows, max_len] tensor and
-scattered into [rows, vocab] (docs/benchmarks.md, "Sampling penalties", measures this against
-keeping per-request counts): no state to keep across steps, preemptions or a failed step."""
+recomputed every step from each row's token ids, padded into one [rows, max_len] tensor: the
+logits of those tokens are gathered, penalized and scattered back (docs/benchmarks.md, "Sampling
+penalties", measures this against whole-vocabulary arithmetic on kept per-request counts): no
+state to keep across steps, preemptions or a failed step."""
 
 from __future__ import annotations
 
@@ -70,27 +71,34 @@ class TokenHistory:
 def apply_penalties(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
 ) -> torch.Tensor:
-    """logits [b, vocab], one SamplingParams and history per row -> penalized logits [b, vocab].
+    """logits [b, vocab], one SamplingParams and history per row -> new penalized logits [b, vocab].
     Repetition: transformers' rule over the distinct tokens of prompt and output. Frequency and
-    presence: OpenAI's, over the output."""
+    presence: OpenAI's, over the output. Only the logits of tokens in a row's history are read
+    and written (gather, scatter): [b, longest] work, not [b, vocab]."""
     b, vocab = logits.shape
     device = logits.device
     longest = max(len(h.token_ids) for h in histories)
-    # [b, longest] token ids, padded with `vocab` (a column cut off after the scatter).
+    # [b, longest] token ids, padded with `vocab`: a column added here and cut off at the end.
     padded = torch.tensor([h.token_ids + [vocab] * (longest - len(h.token_ids)) for h in histories], device=device)
-    seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=device).scatter_(1, padded, True)[:, :vocab]
+    work = torch.nn.functional.pad(logits, (0, 1))  # [b, vocab + 1], a copy
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    # Divided, not multiplied by the reciprocal: bit for bit as transformers.
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
+    seen = work.gather(1, padded)  # [b, longest]
+    # Divided, not multiplied by the reciprocal: bit for bit as transformers. A token seen twice
+    # is written twice with the same value: penalized once.
+    work.scatter_(1, padded, torch.where(seen > 0, seen / repetition, seen * repetition))
     if any(p.frequency_penalty or p.presence_penalty for p in params):
         num_prompt = torch.tensor([h.num_prompt_tokens for h in histories], device=device)
         is_output = torch.arange(longest, device=device)[None, :] >= num_prompt[:, None]  # [b, longest]
-        counts = torch.zeros(b, vocab + 1, device=device).scatter_add_(1, padded, is_output.float())[:, :vocab]
+        output_ids = padded.masked_fill(~is_output, vocab)
+        counts = torch.zeros(b, vocab + 1, device=device).scatter_add_(
+            1, output_ids, torch.ones_like(work[:, :1]).expand_as(output_ids).contiguous()
+        )
+        count = counts.gather(1, output_ids)  # [b, longest]: times each output token occurs
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        logits = logits - frequency * counts - presence * (counts > 0).float()
-    return logits
+        values = work.gather(1, output_ids) - (frequency * count + presence)
+        work.scatter_(1, output_ids, values)
+    return work[:, :vocab]
 
 
 def _banned(params: SamplingParams, history: TokenHistory) -> list[int]:
@@ -190,11 +198,13 @@ class Sampler:
             return logits
         if histories is None:
             raise ValueError("penalties, min_tokens and bad words need each row's token history")
-        logits = logits.clone()
         if masked:
-            apply_masks_and_bias(logits, params, histories)
-        if penalized:
+            logits = apply_masks_and_bias(logits.clone(), params, histories)
+        if len(penalized) == len(params):
+            logits = apply_penalties(logits, params, histories)  # a new tensor
+        elif penalized:
             rows = torch.tensor(penalized, device=logits.device)
+            logits = logits if masked else logits.clone()
             logits[rows] = apply_penalties(
                 logits[rows], [params[i] for i in penalized], [histories[i] for i in penalized]
             )
