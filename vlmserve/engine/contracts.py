@@ -26,6 +26,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
+    # eos and stop_token_ids: what the sampler masks while the output is shorter than min_tokens.
+    all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -15,7 +15,7 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
-from vlmserve.engine.sampler import Sampler, token_logprobs
+from vlmserve.engine.sampler import Sampler, TokenHistory, token_logprobs
 from vlmserve.models.base import VLModel, item_rows, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
@@ -41,6 +41,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    all_stop_token_ids: list[int]
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -56,7 +57,11 @@ class CachedRequestState:
             generator=None if seed is None else torch.Generator().manual_seed(seed),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            all_stop_token_ids=list(new.all_stop_token_ids),
         )
+
+    def history(self) -> TokenHistory:
+        return TokenHistory(self.token_ids, self.num_prompt_tokens, self.all_stop_token_ids)
 
     def positions(self, start: int, end: int, decode_positions: DecodePositions) -> torch.Tensor:
         """[3, end - start] positions of tokens [start, end): the prompt's own, then the model's
@@ -195,7 +200,9 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        tokens = self.sampler(
+            logits, [s.params for s in sampled], [s.generator for s in sampled], [s.history() for s in sampled]
+        )
         out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
         counts = [s.params.logprobs for s in sampled]
         if any(c is not None for c in counts):
@@ -311,7 +318,13 @@ class ModelRunner:
         num_blocks = -(-max_model_len // block_size)
         blocks = list(range(num_blocks))
         hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
-        greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
+        greedy_and_sampled = [
+            SamplingParams(temperature=0.0),
+            # Every stage of the sampler, penalties over a full-length history included.
+            SamplingParams(
+                temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5
+            ),
+        ]
         meter = PeakMeter(self.device)
         with one_block_per_stack(self.model):
             self.bind_kv_cache(
@@ -330,7 +343,7 @@ class ModelRunner:
             positions = torch.arange(max_model_len - q, max_model_len, device=self.device).expand(3, -1)
             hidden = self.model(None, positions, meta, embeds)
             rows = min(num_seqs, q)
-            self._profile_sample(hidden[-rows:], rows, greedy_and_sampled)
+            self._profile_sample(hidden[-rows:], rows, greedy_and_sampled, max_model_len)
             del hidden, embeds
             # Every sequence decoding at full length (block tables may alias: reads only).
             meta = self._metadata(
@@ -343,7 +356,7 @@ class ModelRunner:
             embeds = torch.randn(num_seqs, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.full((3, num_seqs), max_model_len - 1, device=self.device)
             hidden = self.model(None, positions, meta, embeds)
-            self._profile_sample(hidden, num_seqs, greedy_and_sampled)
+            self._profile_sample(hidden, num_seqs, greedy_and_sampled, max_model_len)
             del hidden, embeds
         peak = meter.peak()
         for layer in self.attention_layers:
@@ -351,7 +364,9 @@ class ModelRunner:
         self.block_size = 0
         return max(0, peak - baseline)
 
-    def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams]) -> None:
+    def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams], max_model_len: int) -> None:
         logits = self.model.compute_logits(hidden).float()
         params = [kinds[i % len(kinds)] for i in range(rows)]
-        self.sampler(logits, params, [None] * rows)
+        # Half prompt, half output, at full length (one list shared: the sampler only reads it).
+        history = TokenHistory([0] * max_model_len, max_model_len // 2)
+        self.sampler(logits, params, [None] * rows, [history] * rows)

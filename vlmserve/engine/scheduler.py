@@ -230,6 +230,7 @@ class Scheduler:
                     sampling_params=request.params,
                     block_ids=list(block_ids),
                     num_computed_tokens=request.num_computed_tokens,
+                    all_stop_token_ids=sorted(request.all_stop_token_ids),
                 )
             )
             request.sent_to_runner = True

@@ -41,6 +41,7 @@ def _chat(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=1,
         limit_mm_per_prompt={"image": max(8, len(args.image)), "video": max(1, len(args.video))},
+        generation_config=args.generation_config,
     )
     content: list[dict[str, object]] = [{"type": "image", "image": image} for image in args.image]
     content += [{"type": "video", "video": video} for video in args.video]
@@ -50,15 +51,23 @@ def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": content})
     defaults = llm.get_default_sampling_params()
-    params = SamplingParams(
-        temperature=defaults.temperature if args.temperature is None else args.temperature,
-        top_p=defaults.top_p,
-        top_k=defaults.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
-        skip_special_tokens=args.draw_boxes is None,
-    )
+    try:
+        params = SamplingParams(
+            temperature=defaults.temperature if args.temperature is None else args.temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+            min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty
+            if args.repetition_penalty is None
+            else args.repetition_penalty,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
+            skip_special_tokens=args.draw_boxes is None,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         prompt = llm.process_chat(messages)
         convention = _box_convention(llm, args) if args.draw_boxes is not None else None
@@ -140,6 +149,14 @@ def _chat_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's generation config")
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--repetition-penalty", type=float, default=None, help="default: the checkpoint's generation config"
+    )
+    chat.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the checkpoint's), vllm (none), or a folder",
+    )
     chat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     chat.add_argument("--device", default="auto", help="auto, cpu or cuda")
     chat.add_argument("--max-model-len", type=int, default=8192)

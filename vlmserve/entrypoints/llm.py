@@ -49,6 +49,7 @@ class LLM:
         allowed_local_media_path: str | Path | None = None,
         enable_prefix_caching: bool = True,
         mm_processor_kwargs: dict[str, int] | None = None,
+        generation_config: str = "auto",
     ) -> None:
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -68,6 +69,7 @@ class LLM:
             mm_processor_kwargs=dict(mm_processor_kwargs or {}),
             limit_mm_per_prompt=limit_mm_per_prompt or dict(DEFAULT_LIMIT_MM_PER_PROMPT),
             enable_prefix_caching=enable_prefix_caching,
+            generation_config=generation_config,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),

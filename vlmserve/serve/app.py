@@ -270,7 +270,12 @@ def build_app(
         ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(completion_serving.stream(prompts, params), media_type="text/event-stream")
+            return StreamingResponse(
+                completion_serving.stream(
+                    prompts, params, include_usage=bool(body.stream_options and body.stream_options.include_usage)
+                ),
+                media_type="text/event-stream",
+            )
         return JSONResponse(await _until_disconnected(request, completion_serving.response(prompts, params)))
 
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
@@ -10,6 +11,9 @@ from vlmserve.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_LOG
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024  # entries
+LOGIT_BIAS_LIMIT = 100.0  # values are clamped to +-this, as OpenAI's API and vLLM do
 
 
 class APIError(Exception):
@@ -72,6 +76,14 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     user: str | None = None
+    # vLLM's sampling extensions and OpenAI's penalties; ranges are SamplingParams' (400 outside).
+    repetition_penalty: float | None = None  # None: the --generation-config default
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None  # None: the --generation-config default
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
 
     @field_validator("top_p")
     @classmethod
@@ -90,11 +102,34 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
         return value
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if any(not w.strip() or len(w) > MAX_STOP_LENGTH for w in value or []):
+            raise ValueError(f"bad words must be 1..{MAX_STOP_LENGTH} characters, not blank")
+        return value
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Keys are token ids written as strings (OpenAI's JSON); values clamped to +-100."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(
+                    400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias"
+                )
+            if not math.isfinite(bias):
+                raise APIError(400, f"logit_bias values must be finite numbers, got {bias!r}", "logit_bias")
+            out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+        return out
+
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, max_n: int
     ) -> SamplingParams:
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 n=self.n,
@@ -109,6 +144,15 @@ class _SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
+                repetition_penalty=defaults.repetition_penalty
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                min_p=defaults.min_p if self.min_p is None else self.min_p,
+                min_tokens=self.min_tokens,
+                logit_bias=logit_bias,
+                bad_words=self.bad_words,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             message = str(e)

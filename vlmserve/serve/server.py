@@ -184,6 +184,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-engine-restarts); its requests in flight get 503 naming the stall (default 60, at least "
         "--engine-heartbeat-timeout)",
     )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none), or a folder",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -212,6 +217,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         memory_budget_bytes=None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GiB),
         limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos, **args.limit_mm_per_prompt},
+        generation_config=args.generation_config,
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,
