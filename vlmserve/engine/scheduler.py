@@ -193,6 +193,7 @@ class Scheduler:
                     sampling_params=request.params,
                     block_ids=list(block_ids),
                     num_computed_tokens=request.num_computed_tokens,
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
             request.sent_to_runner = True
@@ -204,6 +205,7 @@ class Scheduler:
                     resumed_from_preemption=resumed,
                     new_block_ids=list(block_ids if resumed else block_ids[request.num_sent_blocks :]),
                     num_computed_tokens=request.num_computed_tokens,
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
         request.num_sent_blocks = len(block_ids)
