@@ -352,3 +352,40 @@ def test_a_budget_without_room_for_the_state_slots_is_refused_with_numbers() -> 
         r"\(max_num_seqs slots\) leave 0\.00 GiB .* needs at least 32 blocks .*max_num_seqs",
     ):
         plan_kv_cache(budget_bytes=budget, state_cache_bytes=GiB // 4, **common)  # type: ignore[arg-type]
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def test_inspect_reports_state_bytes_per_request_beside_kv_bytes_per_token() -> None:
+    """transformers' default Qwen3.5 (32 layers: 24 Gated DeltaNet, 8 full attention) in bfloat16:
+    KV 8 x (K + V) x 4 heads x 256 x 2 bytes per token; per request, each DeltaNet layer's conv
+    window (2 x 16 x 128 + 32 x 128 = 8192 channels x 3 taps x 2 bytes) and float32 recurrent
+    state (32 heads x 128 x 128 x 4 bytes)."""
+    from transformers import Qwen3_5Config
+
+    from vlmserve.inspect import format_report, inspect_config
+
+    config = parse_model_config(Qwen3_5Config(vision_config={"out_hidden_size": 4096}).to_dict())
+    report = inspect_config(config, torch.bfloat16)
+    assert report.kv_bytes_per_token == 8 * 2 * 4 * 256 * 2
+    assert report.state_bytes_per_request == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    text = format_report(report)
+    assert "state per request: 51,511,296 bytes (49.12 MiB)" in text
+    assert "24 layers x (8192 x 3 bfloat16 + 32 x 128 x 128 float32)" in text
+
+
+def test_make_tiny_writes_the_published_layout(tmp_path: Path) -> None:
+    import json
+
+    from vlmserve.entrypoints.cli import main
+
+    out = tmp_path / "q35"
+    assert main(["make-tiny", "--arch", "qwen3_5", "--untied", "--shards", "2", str(out)]) == 0
+    config = load_model_config(out / "config.json")
+    assert config.architecture == "Qwen3_5ForConditionalGeneration" and not config.text.tie_word_embeddings
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" in names and "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert "model.language_model.layers.1.self_attn.q_proj.weight" in names
+    assert not any("deepstack" in name for name in names)
+    Harness(out)  # every published name loads into the model, and the model has no weight left unloaded
