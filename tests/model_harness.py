@@ -34,6 +34,10 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size=16)
         self.runner = ModelRunner(self.model, torch.device("cpu"), dtype)
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
+        # A model with per-request state (linear attention): one slot, slot 0, for the one request.
+        self.stateful = bool(self.runner.state_layers)
+        if self.stateful:
+            self.runner.bind_state_cache(1)
 
     @torch.inference_mode()
     def logits(self, prompt: ProcessedPrompt, chunks: list[int] | None = None, extra: list[int] = ()) -> torch.Tensor:
@@ -76,6 +80,9 @@ class Harness:
                 query_start_loc=[0, n],
                 seq_lens_host=[end],
                 block_size=self.kv.block_size,
+                state_slots=torch.tensor([0]) if self.stateful else None,
+                state_slots_host=[0] if self.stateful else None,
+                has_initial_state=[start > 0] if self.stateful else None,
             )
             hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds, extras)
             out.append(self.model.compute_logits(hidden).float())

@@ -1,6 +1,7 @@
 """What a model is made of, from its config.json alone: parameters per part and the memory its
-weights and KV cache need in a dtype. The model is built on the meta device (no weights, no
-memory), so the counts are those of the very modules vlmserve runs."""
+weights, KV cache and (for linear-attention layers) per-request state need in a dtype. The model
+is built on the meta device (no weights, no memory), so the counts are those of the very modules
+vlmserve runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from vlmserve.attention import TorchAttentionBackend
 from vlmserve.attention.layer import PagedAttention
+from vlmserve.attention.state import SequenceState
 from vlmserve.config import ModelConfig
 from vlmserve.registry import family_of, load_model_config
 
@@ -34,6 +36,10 @@ class ModelReport:
     dtype: torch.dtype
     kv_bytes_per_token: int
     kv_layout: str
+    # Fixed-size state each running request holds (linear attention's conv window and recurrent
+    # state); 0 for a model without.
+    state_bytes_per_request: int = 0
+    state_layout: str = ""
 
     @property
     def blocks(self) -> int:
@@ -84,6 +90,14 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     per_token = sum(2 * m.num_kv_heads * m.head_dim for m in layers) * _itemsize(dtype)
     first = layers[0]
+    states = [m for m in model.modules() if isinstance(m, SequenceState)]
+    state_layout = ""
+    if states:
+        pieces = [
+            " x ".join(str(n) for n in shape) + f" {str(kind or dtype).removeprefix('torch.')}"
+            for shape, kind in states[0].shapes
+        ]
+        state_layout = f"{len(states)} layers x ({' + '.join(pieces)})"
     return ModelReport(
         architecture=config.architecture,
         model_type=config.model_type,
@@ -100,6 +114,8 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
         dtype=dtype,
         kv_bytes_per_token=per_token,
         kv_layout=f"{len(layers)} layers x (K + V) x {first.num_kv_heads} KV heads x {first.head_dim}",
+        state_bytes_per_request=sum(m.slot_bytes(dtype) for m in states),
+        state_layout=state_layout,
     )
 
 
@@ -128,4 +144,6 @@ def format_report(r: ModelReport) -> str:
     lines.append(f"weights in {dtype}: {_bytes(r.weight_bytes)}")
     per_token = r.kv_bytes_per_token
     lines.append(f"KV cache per token in {dtype}: {per_token:,} bytes ({per_token / 2**10:.0f} KiB; {r.kv_layout})")
+    if r.state_bytes_per_request:
+        lines.append(f"state per request: {_bytes(r.state_bytes_per_request)} ({r.state_layout})")
     return "\n".join(lines)

@@ -51,8 +51,14 @@ class EngineCore:
         )
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
         logger.info(self.memory_plan.describe())
-        self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        # A model with per-request state: one slot per running request (prefix caching is off).
+        num_state_slots = config.max_num_seqs if self.runner.state_layers else 0
+        self.kv = KVCacheManager(
+            self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots
+        )
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
+        if num_state_slots:
+            self.runner.bind_state_cache(num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         # Requests an error in the engine failed, with why, since the last take_failed().
         self.failed: dict[str, str] = {}
@@ -67,13 +73,15 @@ class EngineCore:
             sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
         )
         per_seq = -(-self.max_model_len // config.block_size)
+        state_bytes = self.runner.state_bytes_per_slot * config.max_num_seqs
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
                 raise ValueError(
                     f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
                 )
-            budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
+            budget = weights + encoder_cache + state_bytes + fixed * block_bytes
+            activations, min_blocks, profiled = 0, 1, False
         else:
             # A step may encode max_encoder_tokens_per_step tokens of items each no larger than
             # the largest. A dummy can hold fewer tokens than asked (a video's frames are capped,
@@ -98,6 +106,7 @@ class EngineCore:
             min_blocks=min_blocks,
             max_useful_blocks=per_seq * config.max_num_seqs,
             profiled=profiled,
+            state_cache_bytes=state_bytes,
         )
 
     def check_fits(self, prompt: ProcessedPrompt) -> None:

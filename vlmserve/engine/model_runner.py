@@ -13,6 +13,7 @@ import torch
 
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.attention.state import SequenceState
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.sampler import Sampler, TokenHistory, token_logprobs
@@ -42,6 +43,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     all_stop_token_ids: list[int]
+    state_slot: int = -1  # its per-request state (SequenceState layers); -1: the model has none
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -58,6 +60,7 @@ class CachedRequestState:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             all_stop_token_ids=list(new.all_stop_token_ids),
+            state_slot=new.state_slot,
         )
 
     def history(self) -> TokenHistory:
@@ -103,11 +106,22 @@ class ModelRunner:
         # Encoder outputs by content hash; the scheduler says when each may go.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        # Layers with per-request state of fixed size (linear attention); none for most models.
+        self.state_layers = [m for m in model.modules() if isinstance(m, SequenceState)]
 
     @property
     def kv_bytes_per_token(self) -> int:
         per_layer = [2 * m.num_kv_heads * m.head_dim for m in self.attention_layers]
         return sum(per_layer) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """One request's state in all SequenceState layers (0 for a model without any)."""
+        return sum(layer.slot_bytes(self.dtype) for layer in self.state_layers)
+
+    def bind_state_cache(self, num_slots: int) -> None:
+        for layer in self.state_layers:
+            layer.bind(num_slots, self.dtype, self.device)
 
     def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None:
         self.block_size = block_size
@@ -140,6 +154,7 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.state_slot = cached.state_slot
 
     def _slot(self, state: CachedRequestState, token_index: int) -> int:
         return state.block_ids[token_index // self.block_size] * self.block_size + token_index % self.block_size
@@ -171,6 +186,7 @@ class ModelRunner:
         mm_spans: list[tuple[int, torch.Tensor]] = []  # (row in the batch, embeddings to place there)
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        scheduled: list[CachedRequestState] = []
         for request_id, n in step.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
@@ -189,11 +205,18 @@ class ModelRunner:
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             block_rows.append(state.block_ids)
+            scheduled.append(state)
             if end == len(state.token_ids):  # every known token computed: sample the next one
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(state)
 
-        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.block_size)
+        state_slots = has_initial_state = None
+        if self.state_layers:
+            state_slots = [s.state_slot for s in scheduled]
+            has_initial_state = [s.num_computed_tokens > 0 for s in scheduled]
+        meta = self._metadata(
+            slots, query_start_loc, seq_lens, block_rows, self.block_size, state_slots, has_initial_state
+        )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), mm_spans)
         hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds, layer_extras)
@@ -219,6 +242,8 @@ class ModelRunner:
         seq_lens: list[int],
         block_rows: list[list[int]],
         block_size: int,
+        state_slots: list[int] | None = None,
+        has_initial_state: list[bool] | None = None,
     ) -> AttentionMetadata:
         width = max(len(row) for row in block_rows)
         block_tables = torch.zeros(len(block_rows), width, dtype=torch.long)
@@ -231,6 +256,11 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens_host=seq_lens,
             block_size=block_size,
+            state_slots=None
+            if state_slots is None
+            else torch.tensor(state_slots, dtype=torch.long, device=self.device),
+            state_slots_host=state_slots,
+            has_initial_state=has_initial_state,
         )
 
     # -- a step that failed --------------------------------------------------------------------
@@ -272,6 +302,15 @@ class ModelRunner:
         for request_id in step.finished_req_ids:
             self.requests.pop(request_id, None)
         self.free_encoder_outputs(step.free_encoder_hashes)
+        if self.state_layers:
+            # The failed step may have updated some of its requests' recurrent states in place,
+            # and they cannot be undone (a copy of every scheduled slot before every step would
+            # cost megabytes per request per layer). Running them again would apply those tokens
+            # twice, so every request of the step fails.
+            for request_id in step.num_scheduled_tokens:
+                self.requests.pop(request_id, None)
+            why = "the engine failed a step holding this request (its per-request state cannot be rolled back)"
+            return ModelRunnerOutput(), dict.fromkeys(step.num_scheduled_tokens, why)
 
         new = {data.request_id: data for data in step.scheduled_new_reqs}
         cached = {data.request_id: data for data in step.scheduled_cached_reqs}
@@ -330,6 +369,11 @@ class ModelRunner:
             self.bind_kv_cache(
                 num_blocks, block_size, [m for m in self.model.modules() if isinstance(m, PagedAttention)]
             )
+            # Scratch states, one slot per sequence (their bytes are planned apart, not measured here).
+            state_layers = [m for m in self.model.modules() if isinstance(m, SequenceState)]
+            for state_layer in state_layers:
+                state_layer.bind(num_seqs, self.dtype, self.device)
+            stateful = bool(state_layers)
             baseline = meter.current()
             meter.reset()
             if dummy_items:
@@ -337,7 +381,13 @@ class ModelRunner:
             # A prompt chunk at the end of the longest context.
             q = min(num_tokens, max_model_len)
             meta = self._metadata(
-                list(range(max_model_len - q, max_model_len)), [0, q], [max_model_len], [blocks], block_size
+                list(range(max_model_len - q, max_model_len)),
+                [0, q],
+                [max_model_len],
+                [blocks],
+                block_size,
+                [0] if stateful else None,
+                [True] if stateful else None,
             )
             embeds = torch.randn(q, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.arange(max_model_len - q, max_model_len, device=self.device).expand(3, -1)
@@ -352,6 +402,8 @@ class ModelRunner:
                 [max_model_len] * num_seqs,
                 [blocks] * num_seqs,
                 block_size,
+                list(range(num_seqs)) if stateful else None,
+                [True] * num_seqs if stateful else None,
             )
             embeds = torch.randn(num_seqs, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.full((3, num_seqs), max_model_len - 1, device=self.device)
@@ -361,6 +413,8 @@ class ModelRunner:
         peak = meter.peak()
         for layer in self.attention_layers:
             layer.kv_cache = None
+        for state_layer in self.state_layers:
+            state_layer.states = []
         self.block_size = 0
         return max(0, peak - baseline)
 

@@ -231,6 +231,7 @@ class Scheduler:
                     block_ids=list(block_ids),
                     num_computed_tokens=request.num_computed_tokens,
                     all_stop_token_ids=sorted(request.all_stop_token_ids),
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
             request.sent_to_runner = True
@@ -242,6 +243,7 @@ class Scheduler:
                     resumed_from_preemption=resumed,
                     new_block_ids=list(block_ids if resumed else block_ids[request.num_sent_blocks :]),
                     num_computed_tokens=request.num_computed_tokens,
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
         request.num_sent_blocks = len(block_ids)

@@ -378,12 +378,27 @@ def write_tiny_qwen3_vl(
     out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1
 ) -> Path:
     """Write the checkpoint into `out_dir` (created; written atomically)."""
+    return write_checkpoint(
+        out_dir, config_json(spec), random_weights(spec, seed), {"spec": asdict(spec), "seed": seed}, num_shards
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, object],
+    weights: dict[str, torch.Tensor],
+    tiny_info: dict[str, object],
+    num_shards: int = 1,
+) -> Path:
+    """A checkpoint of Qwen3-VL's files (tokenizer, chat template, processor configs) around the
+    given config.json and weights, written atomically into `out_dir`; Qwen3.5's tiny writer
+    uses it too."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
     try:
         files = {
-            "config.json": config_json(spec),
+            "config.json": config,
             "generation_config.json": {
                 "bos_token_id": 151643,
                 "pad_token_id": 151643,
@@ -403,8 +418,8 @@ def write_tiny_qwen3_vl(
             (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         added = [(FIRST_ADDED_ID + k, tok, special) for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)]
         write_tokenizer_files(tmp, added)
-        save_weights(random_weights(spec, seed), tmp, num_shards)
-        (tmp / "vlmserve_tiny.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed}) + "\n")
+        save_weights(weights, tmp, num_shards)
+        (tmp / "vlmserve_tiny.json").write_text(json.dumps(tiny_info) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
