@@ -159,3 +159,37 @@ def tiny_qwen_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vlmserve.families.qwen_vl.tiny import write_tiny_qwen_vl
 
     return write_tiny_qwen_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen-vl")
+
+
+# -- Qwen3-VL ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL (tiny.TinySpec): 3 decoder layers, a 3-block tower with DeepStack features after
+    blocks 0 and 1, an 8 x 8 learned position grid; tied embeddings, the published nested config."""
+    from vlmserve.families.qwen3_vl.tiny import write_tiny_qwen3_vl
+
+    return write_tiny_qwen3_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL-MoE (tiny.MOE_SPEC): 8 experts, 2 per token, layer 1 dense; untied, two shards."""
+    from vlmserve.families.qwen3_vl.tiny import MOE_SPEC, write_tiny_qwen3_vl
+
+    return write_tiny_qwen3_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-moe", MOE_SPEC, seed=1, num_shards=2)
+
+
+@pytest.fixture(scope="session")
+def hf3_model(tiny3_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(str(tiny3_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf3_moe_model(tiny3_moe_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    return Qwen3VLMoeForConditionalGeneration.from_pretrained(str(tiny3_moe_dir), dtype=torch.float32).eval()

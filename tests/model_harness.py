@@ -13,6 +13,7 @@ from vlmserve.engine.contracts import NewRequestData
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import CachedRequestState, ModelRunner
 from vlmserve.engine.request import Request
+from vlmserve.models.base import item_rows, place_multimodal
 from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.registry import family_of, load_model_config
@@ -33,6 +34,10 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size=16)
         self.runner = ModelRunner(self.model, torch.device("cpu"), dtype)
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
+        # A model with per-request state (linear attention): one slot, slot 0, for the one request.
+        self.stateful = bool(self.runner.state_layers)
+        if self.stateful:
+            self.runner.bind_state_cache(1)
 
     @torch.inference_mode()
     def logits(self, prompt: ProcessedPrompt, chunks: list[int] | None = None, extra: list[int] = ()) -> torch.Tensor:
@@ -62,11 +67,12 @@ class Harness:
         for n in sizes:
             start, end = request.num_computed_tokens, request.num_computed_tokens + n
             ids = torch.tensor(request.token_ids(start, end))
-            embeds = self.model.get_input_embeddings(ids)
+            spans = []
             for item, item_embeds in zip(prompt.mm_items, encoded, strict=True):
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
-                    embeds[lo - start : hi - start] = item_embeds[lo - item.offset : hi - item.offset]
+                    spans.append((lo - start, item_rows(item_embeds, lo - item.offset, hi - item.offset)))
+            embeds, extras = place_multimodal(self.model.get_input_embeddings(ids), spans)
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor([self.kv.slot("r", t) for t in range(start, end)]),
                 block_tables=torch.tensor([self.kv.block_ids["r"]]),
@@ -74,8 +80,11 @@ class Harness:
                 query_start_loc=[0, n],
                 seq_lens_host=[end],
                 block_size=self.kv.block_size,
+                state_slots=torch.tensor([0]) if self.stateful else None,
+                state_slots_host=[0] if self.stateful else None,
+                has_initial_state=[start > 0] if self.stateful else None,
             )
-            hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds)
+            hidden = self.model(None, state.positions(start, end, self.model.decode_positions), meta, embeds, extras)
             out.append(self.model.compute_logits(hidden).float())
             request.num_computed_tokens = end
         self.kv.free("r")

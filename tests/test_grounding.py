@@ -98,6 +98,7 @@ def test_points() -> None:
 def test_convention_from_the_model() -> None:
     assert convention_for_model("qwen2_vl") == "qwen2-vl"
     assert convention_for_model("qwen2_5_vl") == "qwen2.5-vl"
+    assert convention_for_model("qwen3_vl") == convention_for_model("qwen3_vl_moe") == "qwen3-vl"
     assert convention_for_model("qwen") == "qwen-vl"
     with pytest.raises(ValueError, match="no known box convention for model_type 'llava'"):
         convention_for_model("llava")
@@ -379,3 +380,15 @@ def test_a_quad_past_the_edge_is_clamped_and_drawn_as_a_polygon() -> None:
     drawn = np.asarray(draw_boxes(Image.new("RGB", (200, 100), "white"), [quad], line_width=1))
     assert (drawn[10, 120:190] != 255).any(axis=-1).all()  # the top edge is inked
     assert (drawn[30:40, 120:180] == 255).all()  # the inside is not
+
+
+def test_qwen3_vl_json_boxes_are_on_the_0_to_1000_scale() -> None:
+    """Qwen3-VL writes Qwen2.5-VL's JSON with relative numbers: the same answer about a 640 x 480
+    photo (resized to 640 x 480 or any other size) maps by the original size alone."""
+    text = '```json\n[{"bbox_2d": [100, 250, 500, 750], "label": "cat"}, {"point_2d": [500, 500]}]\n```'
+    box, point = parse_boxes(text, "qwen3-vl", (640, 480), (672, 480))
+    assert (box.label, xyxy(box)) == ("cat", (64, 120, 320, 360))
+    assert point.kind == "point" and xyxy(point) == (320, 240, 320, 240)
+    # Read as Qwen2.5-VL's absolute pixels the same numbers land elsewhere.
+    (absolute, _) = parse_boxes(text, "qwen2.5-vl", (640, 480), (672, 480))
+    assert xyxy(absolute) != xyxy(box)

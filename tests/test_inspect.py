@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.published_configs import QWEN2_5_VL_7B, QWEN2_VL_2B
+from tests.published_configs import QWEN2_5_VL_7B, QWEN2_VL_2B, QWEN3_VL_2B, QWEN3_VL_8B, QWEN3_VL_30B_A3B
 from vlmserve.entrypoints.cli import main
 from vlmserve.inspect import inspect_config, load_config
 from vlmserve.registry import parse_model_config
@@ -64,3 +64,30 @@ def test_bad_targets_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert main(["inspect", str(tmp_path)]) == 2
     assert "unsupported model_type 'llama'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raw", "total", "kv_per_token"),
+    [
+        # The hub's counts: Qwen3-VL-2B 2.13B, 8B 8.77B, 30B-A3B 31.1B parameters.
+        (QWEN3_VL_2B, 2_127_532_032, 28 * 2 * 8 * 128 * 2),
+        (QWEN3_VL_8B, 8_767_123_696, 36 * 2 * 8 * 128 * 2),
+        (QWEN3_VL_30B_A3B, 31_070_754_032, 48 * 2 * 4 * 128 * 2),
+    ],
+)
+def test_qwen3_vl_families(raw: dict, total: int, kv_per_token: int, tmp_path: Path) -> None:
+    r = inspect_config(parse_model_config(raw), torch.bfloat16)
+    assert r.total == total
+    assert r.kv_bytes_per_token == kv_per_token
+    assert r.embedding + r.blocks + r.final_norm + r.lm_head + r.visual == r.total
+    # The vision tower holds the main merger and one DeepStack merger per feature.
+    assert r.adapter * 4 < r.visual
+    text = raw["text_config"]
+    if "num_experts" in text:
+        # 48 layers of 128 experts of 3 x 2048 x 768, 8 of them used per token.
+        experts = 48 * 128 * 3 * 2048 * 768
+        assert r.active == r.total - experts * 120 // 128 == 3_891_664_112
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        assert main(["inspect", str(tmp_path)]) == 0
+    else:
+        assert r.active == r.total

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 from pathlib import Path
 
 
@@ -55,6 +56,22 @@ def existing_dir(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a directory")
     return path
+
+
+def limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt: a JSON object of modality -> items one request may hold."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object like \'{{"image": 4, "video": 1}}\', got {text!r}')
+    for modality, count in value.items():
+        if modality not in ("image", "video"):
+            raise argparse.ArgumentTypeError(f"unknown modality {modality!r}; image and video are served")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise argparse.ArgumentTypeError(f"{modality}: expected a non-negative integer, got {count!r}")
+    return value
 
 
 def network(text: str) -> str:

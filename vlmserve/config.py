@@ -116,6 +116,9 @@ class ModelConfig:
     # What only one family has (Qwen-VL-Chat: dynamic NTK, logn attention, the Resampler's sizes),
     # a frozen dataclass of that family's own; None for the others.
     family_config: Any = None
+    # [hidden]-wide rows an encoder output holds per placeholder token: 1, or 1 + the per-layer
+    # extras a family adds deeper in the decoder (Qwen3-VL's DeepStack). Sizes the encoder cache.
+    mm_embedding_rows: int = 1
 
 
 def require(d: dict[str, Any], key: str, where: str) -> Any:

@@ -7,7 +7,9 @@ Each Qwen generation writes boxes its own way:
     `<|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`. The tokens
     are special: the text only holds them when decoded with skip_special_tokens=False;
   - "qwen2.5-vl": absolute pixels of the RESIZED image (the one smart_resize made and the model
-    saw), usually as JSON: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}] or {"point_2d": [x, y]}.
+    saw), usually as JSON: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}] or {"point_2d": [x, y]};
+  - "qwen3-vl": Qwen2.5-VL's JSON, its numbers back on the 0..1000 scale of the image's width and
+    height (relative again, whatever size the image was resized to).
 
 Every syntax is recognised in any text; the convention only says which scale the numbers are on:
 0..1000 maps as x * original_w / 1000, absolute as x * original_w / resized_w. The processor
@@ -38,8 +40,8 @@ from typing import Any, Literal
 
 from PIL import Image, ImageDraw, ImageFont
 
-Convention = Literal["qwen-vl", "qwen2-vl", "qwen2.5-vl"]
-CONVENTIONS: tuple[Convention, ...] = ("qwen-vl", "qwen2-vl", "qwen2.5-vl")
+Convention = Literal["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+CONVENTIONS: tuple[Convention, ...] = ("qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 NORMALIZED_SCALE = 1000.0  # the 0..1000 conventions
 
 

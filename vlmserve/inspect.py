@@ -1,6 +1,7 @@
 """What a model is made of, from its config.json alone: parameters per part and the memory its
-weights and KV cache need in a dtype. The model is built on the meta device (no weights, no
-memory), so the counts are those of the very modules vlmserve runs."""
+weights, KV cache and (for linear-attention layers) per-request state need in a dtype. The model
+is built on the meta device (no weights, no memory), so the counts are those of the very modules
+vlmserve runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from vlmserve.attention import TorchAttentionBackend
 from vlmserve.attention.layer import PagedAttention
+from vlmserve.attention.state import SequenceState
 from vlmserve.config import ModelConfig
 from vlmserve.registry import family_of, load_model_config
 
@@ -29,9 +31,15 @@ class ModelReport:
     adapter: int  # Qwen-VL's resampler, Qwen2-VL's patch merger
     adapter_name: str
     total: int
+    # Parameters one token uses: the total less the experts a router does not pick (MoE).
+    active: int
     dtype: torch.dtype
     kv_bytes_per_token: int
     kv_layout: str
+    # Fixed-size state each running request holds (linear attention's conv window and recurrent
+    # state); 0 for a model without.
+    state_bytes_per_request: int = 0
+    state_layout: str = ""
 
     @property
     def blocks(self) -> int:
@@ -48,6 +56,17 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _unrouted(model: nn.Module) -> int:
+    """Expert parameters a token does not use: of each module of routed experts (one that says
+    num_experts and num_experts_per_tok), all but num_experts_per_tok / num_experts."""
+    unused = 0
+    for module in model.modules():
+        experts, per_token = getattr(module, "num_experts", None), getattr(module, "num_experts_per_tok", None)
+        if isinstance(experts, int) and isinstance(per_token, int):
+            unused += _count(module) * (experts - per_token) // experts
+    return unused
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -71,6 +90,14 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     per_token = sum(2 * m.num_kv_heads * m.head_dim for m in layers) * _itemsize(dtype)
     first = layers[0]
+    states = [m for m in model.modules() if isinstance(m, SequenceState)]
+    state_layout = ""
+    if states:
+        pieces = [
+            " x ".join(str(n) for n in shape) + f" {str(kind or dtype).removeprefix('torch.')}"
+            for shape, kind in states[0].shapes
+        ]
+        state_layout = f"{len(states)} layers x ({' + '.join(pieces)})"
     return ModelReport(
         architecture=config.architecture,
         model_type=config.model_type,
@@ -83,9 +110,12 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype) -> ModelReport:
         adapter=_count(model.get_submodule(parts["adapter"])),
         adapter_name=family.adapter_name,
         total=_count(model),  # a tied lm_head is not built on the meta device, so not counted twice
+        active=_count(model) - _unrouted(model),
         dtype=dtype,
         kv_bytes_per_token=per_token,
         kv_layout=f"{len(layers)} layers x (K + V) x {first.num_kv_heads} KV heads x {first.head_dim}",
+        state_bytes_per_request=sum(m.slot_bytes(dtype) for m in states),
+        state_layout=state_layout,
     )
 
 
@@ -107,9 +137,13 @@ def format_report(r: ModelReport) -> str:
         (f"  {r.adapter_name}", r.adapter),
         ("total", r.total),
     ]
+    if r.active != r.total:
+        rows.append(("active per token (routed experts)", r.active))
     lines = [f"{r.architecture} (model_type {r.model_type!r}), parameters:"]
     lines += [f"  {name:<40} {count:>16,}" for name, count in rows]
     lines.append(f"weights in {dtype}: {_bytes(r.weight_bytes)}")
     per_token = r.kv_bytes_per_token
     lines.append(f"KV cache per token in {dtype}: {per_token:,} bytes ({per_token / 2**10:.0f} KiB; {r.kv_layout})")
+    if r.state_bytes_per_request:
+        lines.append(f"state per request: {_bytes(r.state_bytes_per_request)} ({r.state_layout})")
     return "\n".join(lines)

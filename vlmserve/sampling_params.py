@@ -1,4 +1,8 @@
-"""Sampling parameters with vLLM's names and defaults."""
+"""Sampling parameters with vLLM's names, defaults and meaning.
+
+How the sampler applies them, in vLLM's order: bad words, min_tokens and logit_bias first; then the
+penalties (repetition over prompt and output, frequency and presence over the output); then greedy
+argmax, or temperature, min_p, top-k and top-p before drawing."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# repetition_penalty's range: far enough from 0 that logit / penalty stays finite in float32.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # What the engine can represent: integers go to torch and msgpack as int64, floats to float32.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (subnormals may flush to 0)
@@ -41,6 +47,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Log-probabilities of the sampled token plus this many most likely ones (None: none).
     logprobs: int | None = None
+    # transformers' rule over the distinct tokens of prompt and output: logit / p if > 0, else logit * p.
+    repetition_penalty: float = 1.0
+    # OpenAI's: logit -= presence_penalty (token in the output) + frequency_penalty * (times in the output).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Tokens with probability below min_p times the most likely token's are cut (after temperature).
+    min_p: float = 0.0
+    # Token id -> added to its logit.
+    logit_bias: dict[int, float] | None = None
+    # eos and stop tokens are masked (and stop strings not looked for) until this many tokens.
+    min_tokens: int = 0
+    # Words never generated: the last token of each is masked where the output ends with the rest.
+    bad_words: list[str] | None = None
+    # bad_words as token ids (filled in by the front end's tokenizer; with and without a leading space).
+    bad_words_token_ids: list[list[int]] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +69,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_strings = tuple(stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
         """Every numeric field within what the engine represents (int64, float32), so that no
@@ -80,10 +103,46 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.stop_token_ids is not None and not all(is_int64(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers in 0 .. 2**63 - 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        p = self.repetition_penalty
+        if not real(p) or not MIN_REPETITION_PENALTY <= p <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 = off), got {p!r}"
+            )
+        if not real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_int64(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0 (at most 2**63 - 1), got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or not all(
+                is_int64(k) and k >= 0 and real(v) and math.isfinite(as_float32(v)) for k, v in self.logit_bias.items()
+            )
+        ):
+            raise ValueError("logit_bias must map token ids (integers >= 0) to numbers finite in float32")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError("bad_words must be a list of words (non-blank strings)")
+        if self.bad_words_token_ids is not None and not all(
+            isinstance(ids, list) and ids and all(is_int64(t) and t >= 0 for t in ids)
+            for ids in self.bad_words_token_ids
+        ):
+            raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def for_child(self, index: int) -> SamplingParams:
         """The parameters of the index-th of n samples: n=1, and a distinct seed when seeded."""

@@ -155,3 +155,13 @@ def test_output_processor_stops_a_request_on_a_stop_string_spanning_one_update(t
     out = outputs[0].outputs[0]
     assert outputs[0].finished and (out.finish_reason, out.stop_reason) == ("stop", "STOP")
     assert out.text == "Hello "
+
+
+def test_stop_strings_are_looked_for_only_past_min_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("hello world hello world")
+    assert tok.decode(ids[:1]) == "hello"
+    _, plain = stream(tok, ids, SamplingParams(stop="hello"))
+    assert plain.stopped_by == "hello" and plain.text == ""
+    # As vLLM: the first min_tokens tokens' text is not searched; the second "hello" stops it.
+    _, held = stream(tok, ids, SamplingParams(stop="hello", min_tokens=1))
+    assert held.stopped_by == "hello" and held.text == "hello world "

@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from vlmserve.engine.sampler import Sampler, apply_top_k_top_p
@@ -116,3 +117,125 @@ def test_top_k_top_p_temperature_samples_follow_the_filtered_softmax() -> None:
         variance = rows * expected * (1 - expected)
         bound = log_term / 3 + np.sqrt(log_term**2 / 9 + 2 * log_term * variance)
         assert (np.abs(counts - rows * expected) <= bound).all(), (group, counts, rows * expected, bound)
+
+
+# -- penalties, masks and bias ----------------------------------------------------------------
+
+from vlmserve.engine.sampler import TokenHistory  # noqa: E402
+
+
+def reference_penalties(logits: list[float], tokens: list[int], num_prompt: int, p: SamplingParams) -> list[float]:
+    """One row, one token at a time: transformers' repetition rule over the distinct tokens of
+    prompt and output, then OpenAI's frequency and presence over the output."""
+    out = list(logits)
+    for t in set(tokens):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    output = tokens[num_prompt:]
+    for t in set(output):
+        out[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return out
+
+
+def test_penalties_per_row_as_the_reference_and_rows_without_them_untouched() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 12, generator=gen) * 3
+    rows = [
+        (SamplingParams(temperature=0, repetition_penalty=1.3), [1, 2, 2, 5, 7, 7, 7], 3),
+        (SamplingParams(temperature=0), [0, 1, 2, 3], 2),  # no penalty: the row stays as it is
+        (SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=-0.25), [4, 4, 9, 9, 9, 4], 2),
+        (SamplingParams(temperature=0, repetition_penalty=0.7, frequency_penalty=1.0), [3, 11, 11], 1),
+    ]
+    params = [p for p, _, _ in rows]
+    histories = [TokenHistory(ids, n) for _, ids, n in rows]
+    before = logits.clone()
+    out = Sampler.process(logits, params, histories)
+    assert torch.equal(logits, before)  # the input (raw logits, for logprobs) is not changed
+    for i, (p, ids, n) in enumerate(rows):
+        expected = torch.tensor(reference_penalties(before[i].tolist(), ids, n, p))
+        assert torch.allclose(out[i], expected, rtol=1e-6, atol=1e-6), i
+    # Row 2, output [9, 9, 9, 4]: token 9 three times, token 4 once (the prompt's two do not count).
+    assert abs(float(before[2, 9] - out[2, 9]) - (0.5 * 3 - 0.25)) < 1e-6
+    assert abs(float(before[2, 4] - out[2, 4]) - (0.5 * 1 - 0.25)) < 1e-6
+
+
+def test_nothing_to_apply_returns_the_logits_as_they_are() -> None:
+    logits = torch.randn(3, 10)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(min_p=0.1)]
+    assert Sampler.process(logits, params, None) is logits
+
+
+def test_greedy_picks_the_argmax_after_the_penalty() -> None:
+    logits = torch.tensor([[2.0, 1.95, -1.0]])
+    history = TokenHistory([0, 0], 1)
+    assert Sampler()(logits, [SamplingParams(temperature=0)], [None], [history]) == [0]
+    assert Sampler()(logits, [SamplingParams(temperature=0, repetition_penalty=1.05)], [None], [history]) == [1]
+
+
+def test_logit_bias_adds_and_min_tokens_masks_stop_tokens_until_reached() -> None:
+    logits = torch.zeros(3, 6)
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 5.0, 4: -100.0}),
+        SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=0, min_tokens=3),
+    ]
+    histories = [
+        TokenHistory([1, 1], 1),
+        TokenHistory([1, 1, 1], 1, stop_token_ids=[0, 5, 999]),  # 2 output tokens < 3: masked; 999 past vocab
+        TokenHistory([1, 1, 1, 1], 1, stop_token_ids=[0, 5]),  # 3 output tokens: free
+    ]
+    out = Sampler.process(logits, params, histories)
+    assert out[0].tolist() == [0.0, 0.0, 5.0, 0.0, -100.0, 0.0]
+    assert out[1].tolist() == [float("-inf"), 0.0, 0.0, 0.0, 0.0, float("-inf")]
+    assert out[2].tolist() == [0.0] * 6
+
+
+def test_bad_words_mask_the_last_token_where_the_output_ends_with_the_rest() -> None:
+    logits = torch.zeros(3, 8)
+    words = [[5], [1, 2], [3, 4, 6]]
+    params = [SamplingParams(temperature=0, bad_words_token_ids=words)] * 3
+    histories = [
+        TokenHistory([7, 1], 1),  # output [1]: bans 5 (one-token word) and 2 (after 1)
+        TokenHistory([1, 3, 4], 1),  # the prompt's 1 does not count; output ends with 3, 4: bans 6
+        TokenHistory([3, 4, 0], 2),  # output [0]; the prompt's 3, 4 do not count
+    ]
+    out = Sampler.process(logits, params, histories)
+    assert torch.isinf(out).nonzero().tolist() == [[0, 2], [0, 5], [1, 5], [1, 6], [2, 5]]
+
+
+def test_min_p_cuts_tokens_below_min_p_times_the_top_probability() -> None:
+    from vlmserve.engine.sampler import apply_min_p
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = apply_min_p(logits, torch.tensor([0.5, 0.0]))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False], [True] * 4]  # 0.15 < 0.25 <= 0.3
+    draws = Sampler()(logits[:1].repeat(500, 1), [SamplingParams(min_p=0.5, seed=1)] * 500, [None] * 500)
+    assert set(draws) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("min_tokens", 2**63),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: float("inf")}),
+        ("logit_bias", {3: 1e39}),  # infinite in float32
+        ("bad_words", ["  "]),
+        ("bad_words_token_ids", [[]]),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_min_tokens_may_not_exceed_max_tokens() -> None:
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=4"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(max_tokens=None, min_tokens=10).min_tokens == 10

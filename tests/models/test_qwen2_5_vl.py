@@ -182,8 +182,8 @@ def test_bad_configs_say_what_is_wrong() -> None:
         "num_hidden_layers": 1,
         "vocab_size": 10,
     }
-    with pytest.raises(ValueError, match="unsupported model_type 'qwen3_vl'; vlmserve runs qwen2_vl and qwen2_5_vl"):
-        parse_model_config({**base, "model_type": "qwen3_vl"})
+    with pytest.raises(ValueError, match="unsupported model_type 'qwen4_vl'; vlmserve runs qwen2_vl and qwen2_5_vl"):
+        parse_model_config({**base, "model_type": "qwen4_vl"})
     with pytest.raises(ValueError, match="window_size 14 must be at least"):
         parse_model_config({**base, "vision_config": {"depth": 2, "window_size": 14}})
     with pytest.raises(ValueError, match=r"fullatt_block_indexes \[1, 2\] name blocks outside 0..1"):

@@ -48,6 +48,25 @@ def test_pixels_match_reference_across_sizes(hf_image_processor, width: int, hei
     _compare(hf_image_processor, random_image(width, height, seed=width * 7 + height))
 
 
+# Issue 13: the smallest and thinnest images transformers and qwen-vl-utils accept (1x1 and 1xN up
+# to the 200:1 aspect ratio) are scaled up to min_pixels, as there; past 200:1 both raise.
+@pytest.mark.parametrize(("width", "height"), [(1, 1), (2, 1), (1, 2), (1, 3), (200, 1), (1, 200), (3, 600)])
+def test_tiny_and_thin_images_are_scaled_up_as_transformers_does(hf_image_processor, width: int, height: int) -> None:  # type: ignore[no-untyped-def]
+    processed = process_image(random_image(width, height, seed=width + height), CONFIG)
+    w, h = processed.resized_size
+    assert w * h >= CONFIG.min_pixels and w % 28 == 0 and h % 28 == 0
+    _compare(hf_image_processor, random_image(width, height, seed=width + height))
+
+
+@pytest.mark.parametrize(("width", "height"), [(1, 201), (201, 1), (2, 403), (1000, 4)])
+def test_past_200_to_1_both_refuse_and_ours_names_the_size(hf_image_processor, width: int, height: int) -> None:  # type: ignore[no-untyped-def]
+    image = random_image(width, height, seed=1)
+    with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+        hf_image_processor([image], return_tensors="pt")
+    with pytest.raises(ValueError, match=rf"aspect ratio \S+ \({width}x{height}\) exceeds the limit of 200"):
+        process_image(image, CONFIG)
+
+
 def test_above_max_pixels_is_scaled_down(hf_image_processor) -> None:  # type: ignore[no-untyped-def]
     config = ImageProcessorConfig(min_pixels=3136, max_pixels=200_000)
     image = random_image(900, 600, seed=9)

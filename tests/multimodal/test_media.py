@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from tests.conftest import random_image
-from vlmserve.multimodal.media import MediaError, MediaLimits, load_image
+from vlmserve.multimodal.media import MediaError, MediaLimits, load_image, load_pixels, open_image
 
 
 def _png_bytes(image: Image.Image) -> bytes:
@@ -122,3 +122,20 @@ def test_local_files_can_be_confined(tmp_path: Path, picture: Image.Image) -> No
             load_image(escape, limits=limits)
     with pytest.raises(MediaError, match="local files are not allowed"):
         load_image(str(inside), limits=MediaLimits(allow_local_files=False))
+
+
+def test_load_pixels_decodes_in_place_and_turns_an_exif_rotated_image() -> None:
+    """No copy of the decoded pixels (a large image would be held twice); the EXIF rotation is
+    applied as transformers' load_image applies it."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees
+    for orientation in (None, exif):
+        buf = io.BytesIO()
+        Image.new("RGB", (100, 40), (10, 20, 30)).save(
+            buf, format="JPEG", **({"exif": orientation.tobytes()} if orientation else {})
+        )
+        lazy = open_image(buf.getvalue(), "photo")
+        decoded = load_pixels(lazy, "photo")
+        assert decoded is lazy
+        assert decoded.size == ((40, 100) if orientation else (100, 40))
+        assert ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue()))).size == decoded.size

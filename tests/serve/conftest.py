@@ -81,10 +81,21 @@ class Server:
                 self.process.wait()
 
 
-def start_server(model_dir: Path, tmp: Path, *extra: str, api_key: str | None = API_KEY) -> Server:
+def start_server(
+    model_dir: Path,
+    tmp: Path,
+    *extra: str,
+    api_key: str | None = API_KEY,
+    env: dict[str, str] | None = None,
+    served_model_name: str | None = "tiny",
+    wrap: tuple[str, ...] = (),
+) -> Server:
+    """`served_model_name`: the name requests give (None: the server's default, the folder name).
+    `wrap`: a command that execs the rest (the server keeps the PID Popen sees)."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [
+        *wrap,
         sys.executable,
         "-m",
         "vlmserve.entrypoints.cli",
@@ -109,9 +120,12 @@ def start_server(model_dir: Path, tmp: Path, *extra: str, api_key: str | None = 
         "--log-level",
         "warning",
         *(["--api-key", api_key] if api_key else []),
+        *(["--served-model-name", served_model_name] if served_model_name else []),
         *extra,
     ]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+    process = subprocess.Popen(
+        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
     _OUR_PIDS.add(process.pid)
     server = Server(process, f"http://127.0.0.1:{port}", api_key, log)
     try:

@@ -142,7 +142,8 @@ def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:  # type: ignore[no
     [
         (_b64(_png_header(50_000, 50_000)), "too many pixels|pixels, over the"),
         (_b64(_png_header(0, 10)), "cannot decode image"),
-        (_b64(_encode(Image.new("RGB", (1, 300)), "PNG")), "aspect ratio"),
+        (_b64(_encode(Image.new("RGB", (1, 300)), "PNG")), r"aspect ratio 300.0 \(1x300\) exceeds the limit of 200"),
+        (_b64(_encode(Image.new("RGB", (201, 1)), "PNG")), r"aspect ratio 201.0 \(201x1\) exceeds the limit of 200"),
         (_b64(_encode(picture(), "PNG")[:200]), "truncated or corrupt|cannot decode"),
         (_b64(b""), "data URL is empty"),
         (_b64(np.random.default_rng(0).bytes(4096)), "cannot decode image"),
@@ -183,7 +184,8 @@ UNUSUAL_IMAGES = {
     "palette-png-with-a-transparent-colour": _b64(_encode(picture().convert("P"), "PNG", transparency=0)),
     "animated-gif": _b64(_animated("GIF"), "image/gif"),
     "apng": _b64(_animated("PNG")),
-    "1x1": _b64(_encode(Image.new("RGB", (1, 1)), "PNG")),
+    "1x1": _b64(_encode(Image.new("RGB", (1, 1)), "PNG")),  # scaled up to min_pixels, as transformers does
+    "1x200": _b64(_encode(picture(size=(1, 200)), "PNG")),  # the thinnest transformers accepts
 }
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from tests.conftest import video_frame
 from vlmserve import LLM, SamplingParams
@@ -24,8 +28,8 @@ from vlmserve.engine.frontend import load_frontend
 from vlmserve.multimodal.video import VideoOptions
 from vlmserve.processor.base import ImageInput, VideoInput
 from vlmserve.serve import shm
-from vlmserve.serve.engine_process import EngineLoop
-from vlmserve.serve.messages import AddRequest, RequestFailed, encoder, from_engine_decoder
+from vlmserve.serve.engine_process import EngineLoop, HeartbeatThread
+from vlmserve.serve.messages import AddRequest, Heartbeat, RequestFailed, encoder, from_engine_decoder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -125,3 +129,37 @@ def test_engine_refuses_a_prompt_whose_pixels_are_missing(tiny_dir: Path, images
     (reply,) = [from_engine_decoder.decode(raw) for raw in push.sent]
     assert isinstance(reply, RequestFailed) and reply.request_id == "r"
     assert not core.has_unfinished_requests()
+
+
+def test_heartbeats_keep_coming_while_the_step_loop_is_busy_in_one_long_call() -> None:
+    """A long step (here: matmuls until three heartbeats have arrived, or 60 s) is not silence:
+    the heartbeat comes from a thread of its own, on a socket of its own."""
+    context = zmq.Context()
+    address = f"ipc://{tempfile.mkdtemp()}/from-engine"
+    pull = context.socket(zmq.PULL)
+    pull.bind(address)
+    beats: list[object] = []
+    three = threading.Event()
+
+    def receive() -> None:
+        while len(beats) < 3 and pull.poll(60_000):
+            beats.append(from_engine_decoder.decode(pull.recv()))
+        three.set()
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    heartbeat = HeartbeatThread(context, address)
+    heartbeat.start()
+    try:
+        a = torch.randn(256, 256)
+        deadline = time.monotonic() + 60
+        while not three.is_set() and time.monotonic() < deadline:  # one "step" the loop never leaves
+            a = torch.tanh(a @ a)
+    finally:
+        heartbeat.stopped.set()
+        heartbeat.join(10)
+    assert beats == [Heartbeat(os.getpid())] * 3
+    assert not heartbeat.is_alive()
+    receiver.join(10)
+    pull.close(linger=0)
+    context.term()  # returns only once the heartbeat thread has closed its socket

@@ -3,21 +3,27 @@
 (a) Sampling fields the engine cannot represent (past int64, 0 once rounded to float32) are
 refused in the request schema with a 400 naming the field; the engine keeps its PID and a request
 in flight gets the tokens it would have had alone.
-(b) An exception while computing one request's step fails that request (RequestFailed naming it)
-and the engine goes on: the others finish with their own tokens, nothing is left held.
+(b) An exception while computing one request's step fails that request (RequestFailed naming it,
+marked internal: the client gets a 500 that echoes nothing of it) and the engine goes on: the
+others finish with their own tokens, nothing is left held.
+(c) Issue 13: an exception while updating one request after its step fails that request alone;
+one in the scheduler itself fails every request in flight and the engine goes on from empty
+caches. Over HTTP, a request failed by the engine is a 500 naming the request (an error event
+and [DONE] in a stream).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serve.conftest import Server, segments_left
+from tests.serve.conftest import Server, segments_left, start_server
 from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
@@ -202,6 +208,7 @@ def test_step_failure_fails_only_that_request_and_others_get_their_tokens_alone(
 
     failed = [m for m in push.sent if isinstance(m, RequestFailed)]
     assert [m.request_id for m in failed] == ["bad"]  # once, by the id the API process knows
+    assert failed[0].internal  # the engine's error, not the request's: a 500
     assert "RuntimeError" in failed[0].message and "Traceback" not in failed[0].message
     # Every other request, seeded ones included, as if alone ("0_bad" may have had a token
     # before its sibling failed: the API process drops it with the request).
@@ -227,8 +234,167 @@ def test_step_failure_for_every_request_fails_them_all_and_the_engine_serves_the
         _add(loop, "x", [1, 2, 3], [SamplingParams(temperature=0.0, max_tokens=4)])
         _add(loop, "y", [4, 5, 6], [SamplingParams(temperature=0.0, max_tokens=4)])
         _serve(loop, core, push)
-    assert sorted(m.request_id for m in push.sent if isinstance(m, RequestFailed)) == ["x", "y"]
+    failed = [m for m in push.sent if isinstance(m, RequestFailed)]
+    assert sorted(m.request_id for m in failed) == ["x", "y"] and all(m.internal for m in failed)
     assert core.kv.usage == 0.0
     push.sent.clear()
     _add(loop, "z", [1, 2, 3], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
     assert len(_serve(loop, core, push)["z"]) == 4
+
+
+# -- (c): failures in the scheduler's own work -----------------------------------------------------
+
+
+def _alone(core: EngineCore) -> dict[str, list[int]]:
+    """Each of _requests() served by itself: the tokens each engine request gets."""
+    tokens: dict[str, list[int]] = {}
+    for request_id, (prompt, params) in _requests().items():
+        push = Push()
+        loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+        _add(loop, request_id, prompt, params)
+        tokens.update(_serve(loop, core, push))
+    return tokens
+
+
+def _all_free(core: EngineCore) -> bool:
+    """Nothing held anywhere: every KV block free, no request in the scheduler or the runner,
+    no encoder output (the runner forgets a finished request at the step after it ends)."""
+    encoder = core.scheduler.encoder_cache
+    return (
+        core.kv.pool.num_free == core.kv.pool.num_blocks
+        and not core.kv.block_ids
+        and not core.scheduler.requests
+        and not core.runner.requests
+        and not core.runner.encoder_cache
+        and encoder.free_space() == encoder.capacity
+    )
+
+
+def test_an_update_that_raises_fails_only_that_request_and_frees_its_blocks(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alone = _alone(core)
+    real = core.kv.cache_blocks
+
+    def cache_blocks(request, num_computed_tokens):  # type: ignore[no-untyped-def]
+        # The poisoned sample's update raises once it has two tokens (its blocks are held).
+        if request.params.seed == POISON_SEED and len(request.output_token_ids) >= 2:
+            raise RuntimeError("injected update failure")
+        return real(request, num_computed_tokens)
+
+    monkeypatch.setattr(core.kv, "cache_blocks", cache_blocks)
+    push = Push()
+    loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+    requests = _requests()
+    for request_id in ("a", "c"):
+        _add(loop, request_id, *requests[request_id])
+    poison = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=8, ignore_eos=True)
+    _add(loop, "bad", [5, 6, 7, 8], [SamplingParams(temperature=0.0, max_tokens=8), poison])
+    _add(loop, "d", *requests["d"])
+    together = _serve(loop, core, push)
+
+    failed = [m for m in push.sent if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.internal) for m in failed] == [("bad", True)]
+    assert len(together["1_bad"]) == 2  # it ran until its update raised
+    assert {k: v for k, v in together.items() if not k.endswith("bad")} == alone
+    loop._step()  # the runner forgets the failed request at the next step
+    assert _all_free(core)
+
+
+def test_a_scheduler_error_fails_every_request_in_flight_and_the_engine_goes_on_from_empty_caches(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alone = _alone(core)
+    real = core.kv.allocate_slots
+    calls = [0]
+
+    def allocate_slots(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # Raises once, mid-schedule in the second step: the requests before it already hold
+        # this step's blocks, the scheduler's lists are half updated.
+        calls[0] += 1
+        if calls[0] == 8:
+            raise RuntimeError("injected scheduler failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core.kv, "allocate_slots", allocate_slots)
+    push = Push()
+    loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+    requests = _requests()
+    for request_id in ("a", "c", "d"):
+        _add(loop, request_id, *requests[request_id])
+    before = _serve(loop, core, push)
+    assert calls[0] >= 8 and 0 < sum(map(len, before.values())) < sum(map(len, alone.values()))
+    failed = [m for m in push.sent if isinstance(m, RequestFailed)]
+    assert sorted((m.request_id, m.internal) for m in failed) == [("a", True), ("c", True), ("d", True)]
+    assert _all_free(core) and loop.parents == {}
+
+    # The engine goes on: the same requests again get the tokens they get alone.
+    push = Push()
+    loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+    for request_id in ("a", "c", "d"):
+        _add(loop, request_id, *requests[request_id])
+    assert _serve(loop, core, push) == alone
+    loop._step()
+    assert _all_free(core)
+
+
+# -- (c) over HTTP: a request the engine fails is a 500 ---------------------------------------------
+
+FAULTY_ENGINE = Path(__file__).parent / "faulty_engine"  # its sitecustomize poisons the sampler
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server whose engine fails every request seeded POISON_SEED (and only those)."""
+    path = [str(FAULTY_ENGINE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"PYTHONPATH": os.pathsep.join(path), "VLMSERVE_TEST_POISON_SEED": str(POISON_SEED)}
+    s = start_server(tiny_dir, tmp_path_factory.mktemp("faulty"), env=env)
+    yield s
+    s.stop()
+
+
+def _events(server: Server, path: str, body: dict) -> list[dict | str]:
+    """Every event of a streamed answer, [DONE] as the string."""
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=120) as response:
+        assert response.status_code == 200
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+INTERNAL = r"^internal error while computing this request \((chatcmpl|cmpl)-[0-9a-f]{32}(-0)?\)$"
+
+
+def _internal_error(error: dict) -> None:
+    assert re.match(INTERNAL, error["message"]), error
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert "injected" not in json.dumps(error) and "secret" not in json.dumps(error)
+
+
+def test_a_request_the_engine_fails_gets_500_naming_it_and_the_others_are_unchanged(faulty: Server) -> None:
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    alone = faulty.post("/v1/chat/completions", body)
+    assert alone.status_code == 200
+    engine = faulty.engine_pid()
+    pieces = _stream_tokens(faulty, body)
+    got = [next(pieces)]  # running in the engine while the poisoned requests fail beside it
+
+    poisoned = {"seed": POISON_SEED, "temperature": 1.0, "max_tokens": 4}
+    response = _chat(faulty, **poisoned)
+    assert response.status_code == 500, response.text
+    _internal_error(response.json()["error"])
+    response = faulty.post("/v1/completions", {"model": "tiny", "prompt": "Hello", **poisoned})
+    assert response.status_code == 500, response.text
+    _internal_error(response.json()["error"])
+    for path, request in [
+        ("/v1/chat/completions", {"model": "tiny", "messages": PROMPT}),
+        ("/v1/completions", {"model": "tiny", "prompt": "Hello"}),
+    ]:
+        events = _events(faulty, path, {**request, **poisoned, "stream": True})
+        assert events[-1] == "[DONE]" and isinstance(events[-2], dict), events
+        _internal_error(events[-2]["error"])
+
+    got.extend(pieces)
+    assert "".join(got) == alone.json()["choices"][0]["message"]["content"]
+    assert faulty.engine_pid() == engine and faulty.health() == 200
+    assert segments_left() == []
+    assert "injected sampler failure" in faulty.log.read_text()  # the details are in the log

@@ -113,6 +113,7 @@ def small_shm(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     serve = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", str(tiny_dir), "--port", str(port)]
     serve += ["--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory-gib", "0.05"]
     serve += ["--engine-threads", "1", "--log-level", "warning", "--max-shm-bytes", str(1 << 30)]
+    serve += ["--served-model-name", "tiny"]
     # unshare and sh exec: the server keeps the PID Popen sees.
     command = ["unshare", "-Urm", "sh", "-c", 'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"', "sh", *serve]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})

@@ -224,7 +224,7 @@ def test_completions_by_text_ids_batch_and_stream_equal_the_offline_engine(clien
 
 def test_models_and_health(server: Server, client: openai.OpenAI) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny-qwen2-vl"]  # the checkpoint folder name by default
+    assert [m.id for m in models.data] == ["tiny"]  # --served-model-name (test_model_names.py: the default)
     assert server.health() == 200
 
 

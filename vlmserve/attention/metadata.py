@@ -22,6 +22,12 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_seqs + 1]
     seq_lens_host: list[int]  # [num_seqs]
     block_size: int
+    # Models with per-request state (vlmserve.attention.state.SequenceState layers; None for the
+    # others): each sequence's state slot, and whether its state continues from tokens computed
+    # before (num_computed_tokens > 0) or starts from zeros.
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64, on the device
+    state_slots_host: list[int] | None = None  # [num_seqs]
+    has_initial_state: list[bool] | None = None  # [num_seqs]
 
     @property
     def num_seqs(self) -> int:

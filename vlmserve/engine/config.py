@@ -34,6 +34,10 @@ class EngineConfig:
     # Encoder outputs held at once, in tokens; None: enough for a step's worth or the largest image.
     encoder_cache_tokens: int | None = None
     media_limits: MediaLimits = field(default_factory=MediaLimits)
+    # Where requests' sampling defaults come from, as vLLM's --generation-config: "auto" (the
+    # checkpoint's generation_config.json), "vllm" (vLLM's neutral defaults), or a folder holding
+    # a generation_config.json.
+    generation_config: str = "auto"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -26,6 +26,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
+    # eos and stop_token_ids: what the sampler masks while the output is shorter than min_tokens.
+    all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    state_slot: int = -1  # its per-request state's slot (state_cache.py); -1: the model has none
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -36,6 +39,7 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     resumed_from_preemption: bool
     new_block_ids: list[int]
     num_computed_tokens: int
+    state_slot: int = -1  # a new one after a preemption
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

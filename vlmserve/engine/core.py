@@ -11,7 +11,7 @@ import torch
 from vlmserve.attention import select_backend
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
-from vlmserve.engine.contracts import EngineCoreOutput, SchedulerOutput
+from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
@@ -51,10 +51,16 @@ class EngineCore:
         )
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
-        self.kv = KVCacheManager(self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        # A model with per-request state: one slot per running request (prefix caching is off).
+        num_state_slots = config.max_num_seqs if self.runner.state_layers else 0
+        self.kv = KVCacheManager(
+            self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots
+        )
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
+        if num_state_slots:
+            self.runner.bind_state_cache(num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        # Requests a step failed for, with why, since the last take_failed().
+        # Requests an error in the engine failed, with why, since the last take_failed().
         self.failed: dict[str, str] = {}
         # Since start: prompt tokens computed (again after a preemption) and tokens generated,
         # for the periodic throughput lines.
@@ -66,15 +72,20 @@ class EngineCore:
         block_bytes = self.runner.kv_bytes_per_token * config.block_size
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         dtype_size = torch.empty((), dtype=self.dtype).element_size()
-        encoder_cache = sched.encoder_cache_tokens * self.model_info.model_config.text.hidden_size * dtype_size
+        model_config = self.model_info.model_config
+        encoder_cache = (
+            sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
+        )
         per_seq = -(-self.max_model_len // config.block_size)
+        state_bytes = self.runner.state_bytes_per_slot * config.max_num_seqs
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
                 raise ValueError(
                     f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
                 )
-            budget, activations, min_blocks, profiled = weights + encoder_cache + fixed * block_bytes, 0, 1, False
+            budget = weights + encoder_cache + state_bytes + fixed * block_bytes
+            activations, min_blocks, profiled = 0, 1, False
         else:
             # A step may encode max_encoder_tokens_per_step tokens of items each no larger than
             # the largest. A dummy can hold fewer tokens than asked (a video's frames are capped,
@@ -99,6 +110,7 @@ class EngineCore:
             min_blocks=min_blocks,
             max_useful_blocks=per_seq * config.max_num_seqs,
             profiled=profiled,
+            state_cache_bytes=state_bytes,
         )
 
     def check_fits(self, prompt: ProcessedPrompt) -> None:
@@ -126,24 +138,40 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
-        """One step. If computing it raises, the step is undone and its requests are run one at a
-        time: those that still raise are failed (take_failed() says why), the others get the tokens
-        they would have had alone, and the engine goes on."""
-        scheduler_output = self.scheduler.schedule()
-        self._count_prompt_tokens(scheduler_output)
-        snapshot = self.runner.snapshot(scheduler_output)
+        """One step: schedule, execute, update. No error in it ends the engine: a request whose
+        computation or update raises is failed alone (take_failed() names it) and the others get
+        the tokens they would have had without it; an error that cannot be pinned on one request
+        (in schedule(), or leaving the caches in an unknown state) fails every request in flight
+        and the engine goes on from empty caches."""
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            scheduler_output = self.scheduler.schedule()
+            self._count_prompt_tokens(scheduler_output)
+            runner_output = self._execute(scheduler_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         except Exception:
-            logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
-            runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
-            for request_id, message in failed.items():
-                # Everything it holds is freed; take_failed() reports it.
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-                self.failed[request_id] = message
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            logger.exception("an engine step failed outside any one request; failing every request in flight")
+            for request_id in self.scheduler.reset():
+                self.failed[request_id] = "the engine's state was reset after an error"
+            self.runner.reset()
+            return []
+        for request_id in self.scheduler.take_failed():
+            self.failed[request_id] = "updating this request raised"
         self.num_generation_tokens += sum(len(output.new_token_ids) for output in outputs)
         return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step. If it raises, the step is undone and its requests run one at a time:
+        those that still raise are failed (their KV blocks and encoder outputs freed)."""
+        snapshot = self.runner.snapshot(scheduler_output)
+        try:
+            return self.runner.execute(scheduler_output)
+        except Exception:
+            logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
+        runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
+        for request_id, message in failed.items():
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self.failed[request_id] = message
+        return runner_output
 
     def _count_prompt_tokens(self, step: SchedulerOutput) -> None:
         for request_id, n in step.num_scheduled_tokens.items():
@@ -152,6 +180,7 @@ class EngineCore:
             self.num_prompt_tokens += max(0, min(computed + n, request.num_prompt_tokens) - computed)
 
     def take_failed(self) -> dict[str, str]:
-        """Request id -> why, for each request a step failed since the last call (they are gone)."""
+        """Request id -> why (for the log), for each request failed by an error in the engine
+        since the last call (they are gone)."""
         failed, self.failed = self.failed, {}
         return failed

@@ -25,6 +25,9 @@ class IncrementalDetokenizer:
         self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self.stop_strings = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
+        # As vLLM: stop strings are looked for once the output is longer than min_tokens, in the
+        # text from then on (a stop string may still start in the text before).
+        self.min_tokens = params.min_tokens
         self.holdback = 0 if self.include_stop or not self.stop_strings else max(map(len, self.stop_strings)) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -43,7 +46,7 @@ class IncrementalDetokenizer:
                 continue
             before = len(self.text)
             self.text += piece
-            if self.stop_strings and self._check_stop(before):
+            if self.stop_strings and len(self.token_ids) > self.min_tokens and self._check_stop(before):
                 return self.stopped_by
         if finished:
             # Bytes that never completed a character decode as U+FFFD, exactly as a full decode.

@@ -65,6 +65,14 @@ class EncoderCacheManager:
             del self.users[evicted]
             self._freed.append(evicted)
 
+    def reset(self) -> None:
+        """Hold nothing (statistics kept); the runner drops its tensors in its own reset."""
+        self.sizes.clear()
+        self.users.clear()
+        self.unused.clear()
+        self.used_tokens = 0
+        self._freed = []
+
     def take_freed(self) -> list[str]:
         """Hashes evicted since the last call: the runner drops those tensors."""
         freed, self._freed = self._freed, []

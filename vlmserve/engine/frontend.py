@@ -4,7 +4,7 @@ next to the engine core; the server holds one in its API process."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +28,24 @@ class Frontend:
     generation_config: dict[str, Any]
     eos_token_ids: frozenset[int]
     max_model_len: int
+    # The sampling defaults (--generation-config): SamplingParams field -> value.
+    sampling_defaults: dict[str, Any]
 
     def default_sampling_params(self) -> SamplingParams:
-        """Sampling defaults from generation_config.json, as vLLM applies them."""
-        g = self.generation_config
-        return SamplingParams(
-            temperature=float(g.get("temperature", 1.0)),
-            top_p=float(g.get("top_p", 1.0)),
-            top_k=int(g.get("top_k", 0)),
-        )
+        """SamplingParams() with the sampling defaults applied (as vLLM's
+        LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """What the engine needs of `params` that takes the tokenizer or the vocabulary: bad_words
+        as token ids, and logit_bias checked against the vocabulary. ValueError names what is wrong."""
+        vocab = self.model_config.text.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias has token ids past the vocabulary (size {vocab}): {outside[:8]}")
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        return replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
 
     def render_chat(
         self,
@@ -58,9 +67,57 @@ class Frontend:
         )
 
 
+# generation_config.json keys vLLM takes as sampling defaults, and the SamplingParams field of each.
+_GENERATION_DEFAULTS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(mode: str, generation_config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --generation-config: "vllm": none (SamplingParams' own); "auto" (or a folder, whose
+    generation_config.json is passed in): the sampling keys the file sets (do_sample is not read,
+    as in vLLM: Qwen2-VL's top_k 1 makes its default greedy anyway)."""
+    if mode == "vllm":
+        return {}
+    return {
+        field: generation_config[key]
+        for key, field in _GENERATION_DEFAULTS.items()
+        if generation_config.get(key) is not None
+    }
+
+
+def bad_words_token_ids(tokenizer: AnyTokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token ids as it starts a text and, where that tokenizes differently (to as
+    many tokens), after a space: vLLM's SamplingParams.update_from_tokenizer."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip())
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 def load_frontend(config: EngineConfig, model_dir: Path | None = None) -> Frontend:
     model_dir, model_config, family, ctx = open_checkpoint(config, model_dir)
     generation_config = read_json(model_dir / "generation_config.json")
+    if config.generation_config not in ("auto", "vllm"):
+        source = Path(config.generation_config) / "generation_config.json"
+        if not source.is_file():
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json; no {source}"
+            )
+        defaults_from = read_json(source)
+    else:
+        defaults_from = generation_config
+    defaults = sampling_defaults(config.generation_config, defaults_from)
+    SamplingParams(**defaults)  # a checkpoint's bad default fails at load, not at every request
     tokenizer = family.load_tokenizer(model_dir)
     processor = family.make_processor(ctx, tokenizer)
     eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)
@@ -76,4 +133,5 @@ def load_frontend(config: EngineConfig, model_dir: Path | None = None) -> Fronte
         generation_config,
         eos_token_ids,
         ctx.limits.max_model_len,
+        defaults,
     )

@@ -8,6 +8,10 @@ ids, and the content hashes of the images whose placeholders it holds. Identical
 ids with different pictures therefore hash differently and never share KV. A freed block keeps
 its hash and contents until it is reused (least recently freed first), so a later request whose
 prompt starts the same way picks the blocks up instead of recomputing them.
+
+A model with per-request state (linear-attention layers) also takes a state slot per running
+request (state_cache.py), with its first blocks and freed with them. Its prefix caching is off:
+cached KV is of no use without the recurrent state at the same token, which is not kept.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from vlmserve.engine.request import Request
+from vlmserve.engine.state_cache import StateSlotPool
 
 
 @dataclass
@@ -100,10 +105,14 @@ def hash_block(parent: bytes, token_ids: list[int], mm_keys: tuple[tuple[str, in
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        # NOTE: never reuse KV without the matching state: no prefix caching with state slots.
+        self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
         self.block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
@@ -153,6 +162,10 @@ class KVCacheManager:
         reclaimed = sum(1 for b in prefix_blocks if self.pool.blocks[b].ref_cnt == 0) if not blocks else 0
         if missing + reclaimed > self.pool.num_free:
             return False
+        if not blocks and self.state_slots is not None:
+            if not self.state_slots.num_free:
+                return False
+            self.state_slots.allocate(request_id)
         if not blocks and prefix_blocks:
             self.pool.touch(list(prefix_blocks))
             blocks = list(prefix_blocks)
@@ -177,10 +190,24 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         blocks = self.block_ids.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.free(request_id)
         if blocks:
             # Tail first: the start of a prompt is the part other requests most likely share,
             # so it should be the last to be evicted.
             self.pool.free(blocks[::-1])
+
+    def reset(self) -> None:
+        """Every block free, no request holding any, nothing cached (statistics kept)."""
+        self.pool = BlockPool(self.pool.num_blocks)
+        self.block_ids.clear()
+        self._num_cached_blocks.clear()
+        if self.state_slots is not None:
+            self.state_slots = StateSlotPool(self.state_slots.num_slots)
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot; -1 for a model without per-request state."""
+        return -1 if self.state_slots is None else self.state_slots.slot_of[request_id]
 
     def slot(self, request_id: str, token_index: int) -> int:
         blocks = self.block_ids[request_id]

@@ -43,6 +43,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.check_fits(prompt)  # before anything is registered
+        params = self.frontend.resolve_params(params)
         child_ids = self.output_processor.add_request(
             request_id,
             prompt.prompt,

@@ -8,6 +8,9 @@ while a meter records peak memory. Everything a real step can do is bounded by t
 limits (the scheduler's budgets, the processor's per-item cap, the attention backend's decode
 workspace), so a request that fits the plan cannot run the process out of memory later; one
 that cannot fit is refused when submitted.
+
+A model with per-request state (linear-attention layers) also needs max_num_seqs state slots of
+a fixed size (vlmserve.attention.state); they are set aside before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class MemoryPlan:
     block_size: int
     capped: bool  # KV limited to what max_num_seqs full-length sequences can use
     profiled: bool
+    state_cache_bytes: int = 0  # max_num_seqs state slots (0 for a model without per-request state)
 
     @property
     def kv_bytes(self) -> int:
@@ -119,9 +123,10 @@ class MemoryPlan:
 
         source = "measured worst-case step" if self.profiled else "not profiled (KV size given)"
         cap = ", capped at max_num_seqs x max_model_len" if self.capped else ""
+        state = f", per-request state {g(self.state_cache_bytes)}" if self.state_cache_bytes else ""
         return (
             f"memory plan: budget {g(self.budget_bytes)}; weights {g(self.weights_bytes)}, activations "
-            f"{g(self.activation_bytes)} ({source}), encoder cache {g(self.encoder_cache_bytes)}, KV cache "
+            f"{g(self.activation_bytes)} ({source}), encoder cache {g(self.encoder_cache_bytes)}{state}, KV cache "
             f"{g(self.kv_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens = "
             f"{self.num_blocks * self.block_size} tokens{cap}"
         )
@@ -138,17 +143,21 @@ def plan_kv_cache(
     min_blocks: int,
     max_useful_blocks: int,
     profiled: bool = True,
+    state_cache_bytes: int = 0,
 ) -> MemoryPlan:
     """Blocks that fit what the budget leaves; at least enough for one full-length sequence."""
-    left = budget_bytes - weights_bytes - activation_bytes - encoder_cache_bytes
+    left = budget_bytes - weights_bytes - activation_bytes - encoder_cache_bytes - state_cache_bytes
     fit = max(0, left) // block_bytes
     if fit < min_blocks:
+        state = (
+            f" + per-request state {state_cache_bytes / GiB:.2f} GiB (max_num_seqs slots)" if state_cache_bytes else ""
+        )
         raise ValueError(
             f"memory budget of {budget_bytes / GiB:.2f} GiB is too small: weights {weights_bytes / GiB:.2f} GiB + "
-            f"peak activations {activation_bytes / GiB:.2f} GiB + encoder cache {encoder_cache_bytes / GiB:.2f} GiB "
-            f"leave {max(0, left) / GiB:.2f} GiB for the KV cache, which needs at least {min_blocks} blocks "
+            f"peak activations {activation_bytes / GiB:.2f} GiB + encoder cache {encoder_cache_bytes / GiB:.2f} GiB"
+            f"{state} leave {max(0, left) / GiB:.2f} GiB for the KV cache, which needs at least {min_blocks} blocks "
             f"({min_blocks * block_bytes / GiB:.2f} GiB) to hold one max_model_len sequence; raise the budget or "
-            "lower max_model_len, max_num_batched_tokens or max_pixels"
+            f"lower max_model_len, max_num_batched_tokens{', max_num_seqs' if state_cache_bytes else ''} or max_pixels"
         )
     num_blocks = min(fit, max_useful_blocks)
     return MemoryPlan(
@@ -161,4 +170,5 @@ def plan_kv_cache(
         block_size=block_size,
         capped=num_blocks < fit,
         profiled=profiled,
+        state_cache_bytes=state_cache_bytes,
     )

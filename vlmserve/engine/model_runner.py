@@ -13,10 +13,11 @@ import torch
 
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.attention.state import SequenceState
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
-from vlmserve.engine.sampler import Sampler, token_logprobs
-from vlmserve.models.base import VLModel
+from vlmserve.engine.sampler import Sampler, TokenHistory, token_logprobs
+from vlmserve.models.base import VLModel, item_rows, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    all_stop_token_ids: list[int]
+    state_slot: int = -1  # its per-request state (SequenceState layers); -1: the model has none
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -57,7 +60,12 @@ class CachedRequestState:
             generator=None if seed is None else torch.Generator().manual_seed(seed),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            all_stop_token_ids=list(new.all_stop_token_ids),
+            state_slot=new.state_slot,
         )
+
+    def history(self) -> TokenHistory:
+        return TokenHistory(self.token_ids, self.num_prompt_tokens, self.all_stop_token_ids)
 
     def positions(self, start: int, end: int, decode_positions: DecodePositions) -> torch.Tensor:
         """[3, end - start] positions of tokens [start, end): the prompt's own, then the model's
@@ -99,11 +107,22 @@ class ModelRunner:
         # Encoder outputs by content hash; the scheduler says when each may go.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        # Layers with per-request state of fixed size (linear attention); none for most models.
+        self.state_layers = [m for m in model.modules() if isinstance(m, SequenceState)]
 
     @property
     def kv_bytes_per_token(self) -> int:
         per_layer = [2 * m.num_kv_heads * m.head_dim for m in self.attention_layers]
         return sum(per_layer) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """One request's state in all SequenceState layers (0 for a model without any)."""
+        return sum(layer.slot_bytes(self.dtype) for layer in self.state_layers)
+
+    def bind_state_cache(self, num_slots: int) -> None:
+        for layer in self.state_layers:
+            layer.bind(num_slots, self.dtype, self.device)
 
     def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None:
         self.block_size = block_size
@@ -116,6 +135,11 @@ class ModelRunner:
     def free_encoder_outputs(self, content_hashes: list[str]) -> None:
         for content_hash in content_hashes:
             self.encoder_cache.pop(content_hash, None)
+
+    def reset(self) -> None:
+        """Forget every request and encoder output (the scheduler's reset, after an error)."""
+        self.requests.clear()
+        self.encoder_cache.clear()
 
     # -- a step ---------------------------------------------------------------------------------
 
@@ -131,6 +155,7 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.state_slot = cached.state_slot
 
     def _slot(self, state: CachedRequestState, token_index: int) -> int:
         return state.block_ids[token_index // self.block_size] * self.block_size + token_index % self.block_size
@@ -162,6 +187,7 @@ class ModelRunner:
         mm_spans: list[tuple[int, torch.Tensor]] = []  # (row in the batch, embeddings to place there)
         sample_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        scheduled: list[CachedRequestState] = []
         for request_id, n in step.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
@@ -176,24 +202,31 @@ class ModelRunner:
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
                     embeds = self.encoder_cache[item.content_hash]
-                    mm_spans.append((base + lo - start, embeds[lo - item.offset : hi - item.offset]))
+                    mm_spans.append((base + lo - start, item_rows(embeds, lo - item.offset, hi - item.offset)))
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             block_rows.append(state.block_ids)
+            scheduled.append(state)
             if end == len(state.token_ids):  # every known token computed: sample the next one
                 sample_rows.append(len(token_ids) - 1)
                 sampled.append(state)
 
-        meta = self._metadata(slots, query_start_loc, seq_lens, block_rows, self.block_size)
+        state_slots = has_initial_state = None
+        if self.state_layers:
+            state_slots = [s.state_slot for s in scheduled]
+            has_initial_state = [s.num_computed_tokens > 0 for s in scheduled]
+        meta = self._metadata(
+            slots, query_start_loc, seq_lens, block_rows, self.block_size, state_slots, has_initial_state
+        )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        inputs_embeds = self.model.get_input_embeddings(input_ids)
-        for row, embeds in mm_spans:
-            inputs_embeds[row : row + embeds.shape[0]] = embeds.to(inputs_embeds.dtype)
-        hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds)
+        inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), mm_spans)
+        hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds, layer_extras)
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        tokens = self.sampler(
+            logits, [s.params for s in sampled], [s.generator for s in sampled], [s.history() for s in sampled]
+        )
         out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
         counts = [s.params.logprobs for s in sampled]
         if any(c is not None for c in counts):
@@ -210,6 +243,8 @@ class ModelRunner:
         seq_lens: list[int],
         block_rows: list[list[int]],
         block_size: int,
+        state_slots: list[int] | None = None,
+        has_initial_state: list[bool] | None = None,
     ) -> AttentionMetadata:
         width = max(len(row) for row in block_rows)
         block_tables = torch.zeros(len(block_rows), width, dtype=torch.long)
@@ -222,6 +257,11 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens_host=seq_lens,
             block_size=block_size,
+            state_slots=None
+            if state_slots is None
+            else torch.tensor(state_slots, dtype=torch.long, device=self.device),
+            state_slots_host=state_slots,
+            has_initial_state=has_initial_state,
         )
 
     # -- a step that failed --------------------------------------------------------------------
@@ -263,6 +303,15 @@ class ModelRunner:
         for request_id in step.finished_req_ids:
             self.requests.pop(request_id, None)
         self.free_encoder_outputs(step.free_encoder_hashes)
+        if self.state_layers:
+            # The failed step may have updated some of its requests' recurrent states in place,
+            # and they cannot be undone (a copy of every scheduled slot before every step would
+            # cost megabytes per request per layer). Running them again would apply those tokens
+            # twice, so every request of the step fails.
+            for request_id in step.num_scheduled_tokens:
+                self.requests.pop(request_id, None)
+            why = "the engine failed a step holding this request (its per-request state cannot be rolled back)"
+            return ModelRunnerOutput(), dict.fromkeys(step.num_scheduled_tokens, why)
 
         new = {data.request_id: data for data in step.scheduled_new_reqs}
         cached = {data.request_id: data for data in step.scheduled_cached_reqs}
@@ -309,7 +358,13 @@ class ModelRunner:
         num_blocks = -(-max_model_len // block_size)
         blocks = list(range(num_blocks))
         hidden_size = self.model.get_input_embeddings(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
-        greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, top_k=50)]
+        greedy_and_sampled = [
+            SamplingParams(temperature=0.0),
+            # Every stage of the sampler, penalties over a full-length history included.
+            SamplingParams(
+                temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5
+            ),
+        ]
         meter = PeakMeter(self.device)
         # Three parts: the largest images through the encoder, a prompt chunk, a full decode batch.
         parts = progress(desc="profiling memory (worst-case step)", total=3, unit="part", logger=logger)
@@ -317,6 +372,11 @@ class ModelRunner:
             self.bind_kv_cache(
                 num_blocks, block_size, [m for m in self.model.modules() if isinstance(m, PagedAttention)]
             )
+            # Scratch states, one slot per sequence (their bytes are planned apart, not measured here).
+            state_layers = [m for m in self.model.modules() if isinstance(m, SequenceState)]
+            for state_layer in state_layers:
+                state_layer.bind(num_seqs, self.dtype, self.device)
+            stateful = bool(state_layers)
             baseline = meter.current()
             meter.reset()
             if dummy_items:
@@ -325,13 +385,19 @@ class ModelRunner:
             # A prompt chunk at the end of the longest context.
             q = min(num_tokens, max_model_len)
             meta = self._metadata(
-                list(range(max_model_len - q, max_model_len)), [0, q], [max_model_len], [blocks], block_size
+                list(range(max_model_len - q, max_model_len)),
+                [0, q],
+                [max_model_len],
+                [blocks],
+                block_size,
+                [0] if stateful else None,
+                [True] if stateful else None,
             )
             embeds = torch.randn(q, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.arange(max_model_len - q, max_model_len, device=self.device).expand(3, -1)
             hidden = self.model(None, positions, meta, embeds)
             rows = min(num_seqs, q)
-            self._profile_sample(hidden[-rows:], rows, greedy_and_sampled)
+            self._profile_sample(hidden[-rows:], rows, greedy_and_sampled, max_model_len)
             del hidden, embeds
             parts.update()
             # Every sequence decoding at full length (block tables may alias: reads only).
@@ -341,20 +407,26 @@ class ModelRunner:
                 [max_model_len] * num_seqs,
                 [blocks] * num_seqs,
                 block_size,
+                list(range(num_seqs)) if stateful else None,
+                [True] * num_seqs if stateful else None,
             )
             embeds = torch.randn(num_seqs, hidden_size, dtype=self.dtype, device=self.device)
             positions = torch.full((3, num_seqs), max_model_len - 1, device=self.device)
             hidden = self.model(None, positions, meta, embeds)
-            self._profile_sample(hidden, num_seqs, greedy_and_sampled)
+            self._profile_sample(hidden, num_seqs, greedy_and_sampled, max_model_len)
             del hidden, embeds
             parts.update()
         peak = meter.peak()
         for layer in self.attention_layers:
             layer.kv_cache = None
+        for state_layer in self.state_layers:
+            state_layer.states = []
         self.block_size = 0
         return max(0, peak - baseline)
 
-    def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams]) -> None:
+    def _profile_sample(self, hidden: torch.Tensor, rows: int, kinds: list[SamplingParams], max_model_len: int) -> None:
         logits = self.model.compute_logits(hidden).float()
         params = [kinds[i % len(kinds)] for i in range(rows)]
-        self.sampler(logits, params, [None] * rows)
+        # Half prompt, half output, at full length (one list shared: the sampler only reads it).
+        history = TokenHistory([0] * max_model_len, max_model_len // 2)
+        self.sampler(logits, params, [None] * rows, [history] * rows)

@@ -42,6 +42,8 @@ class Request:
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        # What min_tokens masks in the sampler: eos (even with ignore_eos, as vLLM) and stop ids.
+        self.all_stop_token_ids = eos_token_ids | self.stop_token_ids
         room = max_model_len - len(self.prompt_token_ids)
         self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.output_token_ids: list[int] = []
@@ -77,7 +79,9 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+        # Before min_tokens the sampler masks stop tokens; only the length can end it.
+        may_stop = len(self.output_token_ids) >= self.params.min_tokens
+        if may_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id if token_id in self.stop_token_ids else None
         elif len(self.output_token_ids) >= self.max_tokens:

@@ -16,6 +16,7 @@ is recomputed later (prompt and generated tokens, from whatever prefix is still 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from vlmserve.engine.contracts import (
 from vlmserve.engine.encoder_cache import EncoderCacheManager
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Requests that ended since the last schedule(): the runner forgets them.
         self.finished_req_ids: list[str] = []
+        # Requests whose update raised since the last take_failed(): dropped, everything freed.
+        self.failed_req_ids: list[str] = []
         self.num_preemptions = 0  # since start
 
     # -- admission and removal ------------------------------------------------------------------
@@ -101,6 +106,38 @@ class Scheduler:
         del self.requests[request.request_id]
         if request.sent_to_runner:
             self.finished_req_ids.append(request.request_id)
+
+    def _drop(self, request: Request) -> None:
+        """Remove a request whatever state an error left it in, freeing what it holds."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.requests.pop(request.request_id, None)
+        self.kv.free(request.request_id)
+        self._release_encoder_outputs(request, upto=None)
+        if request.sent_to_runner and request.request_id not in self.finished_req_ids:
+            self.finished_req_ids.append(request.request_id)
+
+    def take_failed(self) -> list[str]:
+        """Ids of the requests whose update raised since the last call (they are gone)."""
+        failed, self.failed_req_ids = self.failed_req_ids, []
+        return failed
+
+    def reset(self) -> list[str]:
+        """Forget every request and empty the KV pool and the encoder cache: after an error that
+        left this state unknown. Returns the ids of the requests it held (the runner must
+        forget them too; see ModelRunner.reset)."""
+        request_ids = list(dict.fromkeys([*self.requests, *(r.request_id for r in [*self.running, *self.waiting])]))
+        self.waiting.clear()
+        self.running.clear()
+        self.requests.clear()
+        self.finished_req_ids = []
+        self.failed_req_ids = []
+        self.kv.reset()
+        self.encoder_cache.reset()
+        return request_ids
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,6 +230,8 @@ class Scheduler:
                     sampling_params=request.params,
                     block_ids=list(block_ids),
                     num_computed_tokens=request.num_computed_tokens,
+                    all_stop_token_ids=sorted(request.all_stop_token_ids),
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
             request.sent_to_runner = True
@@ -204,6 +243,7 @@ class Scheduler:
                     resumed_from_preemption=resumed,
                     new_block_ids=list(block_ids if resumed else block_ids[request.num_sent_blocks :]),
                     num_computed_tokens=request.num_computed_tokens,
+                    state_slot=self.kv.state_slot(request_id),
                 )
             )
         request.num_sent_blocks = len(block_ids)
@@ -233,31 +273,43 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, retire finished requests. Returns what
-        each request that received a token got."""
+        each request that received a token got. A request whose update raises is dropped alone
+        (take_failed() names it); the others are updated as if it had not been there."""
         outputs = []
         for request_id, n in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += n
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            self._release_encoder_outputs(request, upto=request.num_computed_tokens)
-            token = result.sampled_token_ids.get(request_id)
-            if token is None:
-                continue  # a prompt chunk that did not reach the end of the prompt
-            request.append_output_token(token)
-            logprobs = result.logprobs.get(request_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=[token],
-                    finish_reason=request.status.value if request.status.finished else None,
-                    stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
-                    num_cached_tokens=request.num_cached_tokens,
-                    logprobs=None if logprobs is None else [logprobs],
-                )
-            )
-            if request.status.finished:
-                self.running.remove(request)
-                self._release(request)
+            try:
+                output = self._update_request(request, n, result)
+            except Exception:
+                logger.exception("updating request %s failed; dropping it", request_id)
+                self._drop(request)
+                self.failed_req_ids.append(request_id)
+                continue
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _update_request(self, request: Request, n: int, result: ModelRunnerOutput) -> EngineCoreOutput | None:
+        request_id = request.request_id
+        request.num_computed_tokens += n
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self._release_encoder_outputs(request, upto=request.num_computed_tokens)
+        token = result.sampled_token_ids.get(request_id)
+        if token is None:
+            return None  # a prompt chunk that did not reach the end of the prompt
+        request.append_output_token(token)
+        logprobs = result.logprobs.get(request_id)
+        output = EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=[token],
+            finish_reason=request.status.value if request.status.finished else None,
+            stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+            num_cached_tokens=request.num_cached_tokens,
+            logprobs=None if logprobs is None else [logprobs],
+        )
+        if request.status.finished:
+            self.running.remove(request)
+            self._release(request)
+        return output

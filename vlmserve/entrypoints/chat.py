@@ -49,6 +49,10 @@ class Chat:
             temperature=defaults.temperature if args.temperature is None else args.temperature,
             top_p=defaults.top_p,
             top_k=defaults.top_k,
+            min_p=defaults.min_p,
+            repetition_penalty=defaults.repetition_penalty
+            if args.repetition_penalty is None
+            else args.repetition_penalty,
             max_tokens=args.max_tokens,
             seed=args.seed,
             # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
@@ -174,6 +178,7 @@ def run(args: argparse.Namespace, model: str | None, question: str | None) -> in
         max_model_len=args.max_model_len,
         max_num_seqs=1,
         limit_mm_per_prompt={"image": max(8, len(args.image)), "video": max(1, len(args.video))},
+        generation_config=args.generation_config,
     )
     chat = Chat(llm, args)
     if question is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmserve.arg_types import non_negative_float, non_negative_int, positive_int
+from vlmserve.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from vlmserve.errors import UsageError, UserError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -70,6 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     from vlmserve.serve.options import bind
 
     _check_model(args.model)
+    if args.engine_stall_timeout < args.engine_heartbeat_timeout:
+        raise UsageError("--engine-stall-timeout must be at least --engine-heartbeat-timeout")
     sock = bind(args.host, args.port)  # before the model loads: a busy port is said at once
     if args.debug:
         args.log_level = "debug"
@@ -114,6 +116,17 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="makes sampled answers reproducible (default: none)")
     p.add_argument(
+        "--repetition-penalty",
+        type=positive_float,
+        default=None,
+        help="above 1 discourages repeating prompt and answer tokens (default: the checkpoint's generation config)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the checkpoint's generation_config.json), vllm (none), or a folder",
+    )
+    p.add_argument(
         "--dtype", default="auto", choices=DTYPES, help="auto: the checkpoint's (float16 becomes bfloat16 on the CPU)"
     )
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
@@ -128,10 +141,10 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--box-convention",
-        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl"],
+        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"],
         default=None,
-        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl and qwen2-vl on a "
-        "0..1000 scale, qwen2.5-vl in the resized image's pixels",
+        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl, qwen2-vl and qwen3-vl "
+        "on a 0..1000 scale, qwen2.5-vl in the resized image's pixels",
     )
 
 

@@ -50,6 +50,7 @@ class LLM:
         allowed_local_media_path: str | Path | None = None,
         enable_prefix_caching: bool = True,
         mm_processor_kwargs: dict[str, int] | None = None,
+        generation_config: str = "auto",
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -70,6 +71,7 @@ class LLM:
             mm_processor_kwargs=dict(mm_processor_kwargs or {}),
             limit_mm_per_prompt=limit_mm_per_prompt or dict(DEFAULT_LIMIT_MM_PER_PROMPT),
             enable_prefix_caching=enable_prefix_caching,
+            generation_config=generation_config,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),

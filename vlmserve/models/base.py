@@ -13,7 +13,10 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 class VLModel(nn.Module):
     def embed_multimodal(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """One [item.length, hidden] tensor per item: what replaces its placeholder tokens."""
+        """Per item, what replaces its placeholder tokens: a [item.length, hidden] tensor, or for a
+        family that also injects the item deeper into the decoder (Qwen3-VL's DeepStack) a
+        [1 + num_extra_layers, item.length, hidden] stack whose row 0 fills the placeholders and
+        whose row 1 + i is added to the hidden states after decoder layer i (see place_multimodal)."""
         raise NotImplementedError
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -25,7 +28,10 @@ class VLModel(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        layer_extras: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """layer_extras: [num_extra_layers, num_tokens, hidden] from place_multimodal, None when
+        no item of the step has per-layer extras."""
         raise NotImplementedError
 
     @staticmethod
@@ -44,3 +50,31 @@ class VLModel(nn.Module):
 
     def tie_weights(self) -> None:
         """Called once the parameters are allocated, before the weights are loaded."""
+
+
+def item_rows(encoded: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Placeholder rows [lo, hi) of an encoder output (either form embed_multimodal returns)."""
+    return encoded[lo:hi] if encoded.ndim == 2 else encoded[:, lo:hi]
+
+
+def place_multimodal(
+    inputs_embeds: torch.Tensor, spans: list[tuple[int, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Write each span's rows (item_rows of an encoder output) into `inputs_embeds` [num_tokens,
+    hidden] at its row of the batch, and gather the per-layer extras of those that have them into
+    [num_extra_layers, num_tokens, hidden] (zero at every other token). No span with extras: None,
+    so a family without them pays nothing."""
+    num_extra = max((rows.shape[0] - 1 for _, rows in spans if rows.ndim == 3), default=0)
+    extras = None
+    if num_extra:
+        extras = inputs_embeds.new_zeros(num_extra, *inputs_embeds.shape)
+    for row, rows in spans:
+        if rows.ndim == 2:
+            inputs_embeds[row : row + rows.shape[0]] = rows.to(inputs_embeds.dtype)
+            continue
+        assert rows.shape[0] == num_extra + 1, "every item of a model carries the same number of extras"
+        n = rows.shape[1]
+        inputs_embeds[row : row + n] = rows[0].to(inputs_embeds.dtype)
+        assert extras is not None
+        extras[:, row : row + n] = rows[1:].to(extras.dtype)
+    return inputs_embeds, extras

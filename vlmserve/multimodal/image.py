@@ -61,7 +61,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")  # convert() would copy an RGB image
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ class MediaLimits:
     # Placeholder tokens one image may need after resizing (--max-image-tokens); None: what the
     # processor's max_pixels and max_model_len give. Checked on the header, before decoding.
     max_image_tokens: int | None = None
+    # The same for one video, all its frames (--max-video-tokens); None: what max_model_len gives.
+    # Checked on the container's index, before any frame is decoded.
+    max_video_tokens: int | None = None
     fetch_timeout_s: float = 10.0
     # None: local paths and file:// URLs are allowed anywhere (the offline API's default);
     # a folder: only files under it.
@@ -173,14 +176,16 @@ def oriented_size(image: Image.Image) -> tuple[int, int]:
 
 
 def load_pixels(image: Image.Image, label: str) -> Image.Image:
-    """Decode an image from open_lazily / open_image, with the EXIF orientation applied."""
+    """Decode an image from open_lazily / open_image, with the EXIF orientation applied: the
+    same object, its pixels decoded (in place: exif_transpose would return a copy even of an
+    image it does not turn, twice the memory of a large one)."""
     try:
         image.load()
         # Same orientation handling as transformers' load_image.
-        oriented = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         raise MediaError(f"{label}: image data is truncated or corrupt") from None
-    return oriented
+    return image
 
 
 def open_image(data: bytes, label: str, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:

@@ -8,8 +8,9 @@ layers in front of the app, outermost first:
     (compared in constant time), so no spelling of a path reaches an inference route without it;
   - body: read whole before anything else, under a deadline (408 past it) and the size cap (413
     for a streamed body over it), the connection closed after either;
-  - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down, 429
-    past the queue limit. A client that sends headers and then nothing holds no place in the queue.
+  - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down or not
+    responding (the message says which), 429 past the queue limit. A client that sends headers and
+    then nothing holds no place in the queue.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
             return await app(scope, receive, send)
         if state.draining:
             return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
-        if not state.client.healthy:
-            return await _send_error(send, APIError(503, "the engine is not running", code="engine_unavailable"))
+        reason = state.client.unavailable_reason
+        if reason is not None:
+            return await _send_error(send, APIError(503, reason, code="engine_unavailable"))
         if state.in_flight >= state.max_queue:
             return await _send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
         state.in_flight += 1
@@ -235,8 +237,10 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = ctx.client.healthy and not app.state.draining
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        reason = "the server is shutting down" if app.state.draining else ctx.client.unavailable_reason
+        if reason is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -248,17 +252,14 @@ def build_app(
         return {
             "object": "list",
             "data": [
-                {
-                    "id": ctx.model_name,
-                    "object": "model",
-                    "owned_by": "vlmserve",
-                    "max_model_len": ctx.frontend.max_model_len,
-                }
+                {"id": name, "object": "model", "owned_by": "vlmserve", "max_model_len": ctx.frontend.max_model_len}
+                for name in ctx.served_model_names or (ctx.model_name,)
             ],
         }
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
             return StreamingResponse(chat_serving.stream(body, prompt, params), media_type="text/event-stream")
@@ -266,9 +267,15 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(completion_serving.stream(prompts, params), media_type="text/event-stream")
+            return StreamingResponse(
+                completion_serving.stream(
+                    prompts, params, include_usage=bool(body.stream_options and body.stream_options.include_usage)
+                ),
+                media_type="text/event-stream",
+            )
         return JSONResponse(await _until_disconnected(request, completion_serving.response(prompts, params)))
 
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]

@@ -6,6 +6,9 @@ back (detokenized) to whoever awaits it. The process itself is EngineSupervisor'
 If the engine process dies, every request in flight fails with EngineDeadError (segments not yet
 taken are unlinked), and the engine is started again; new requests are refused with
 EngineDeadError until it is ready. After `max_restarts` deaths the client gives up for good.
+An engine not heard from for `heartbeat_timeout_s` gets no new request (EngineDeadError naming
+its silence) while those in flight wait for it; silent for `stall_timeout_s`, it is killed, which
+is a death as above (the supervisor's business).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vlmserve.serve.engine_supervisor import EngineDeadError, EngineSupervisor
 from vlmserve.serve.messages import (
     AbortRequests,
     AddRequest,
+    Heartbeat,
     Ready,
     RequestFailed,
     Shutdown,
@@ -52,8 +56,22 @@ class RequestRefused(ValueError):
     """The engine refused the request; the message says why (e.g. it can never fit)."""
 
 
+class RequestFailedInEngine(RuntimeError):
+    """An error in the engine failed the request (the engine went on); the message, for the
+    log only, says where."""
+
+
 class EngineClient:
-    def __init__(self, config: EngineConfig, frontend: Frontend, *, threads: int = 0, max_restarts: int = 3) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        frontend: Frontend,
+        *,
+        threads: int = 0,
+        max_restarts: int = 3,
+        heartbeat_timeout_s: float = 10.0,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
         self.config = config
         self.frontend = frontend
         self.detokenizer = Detokenizer(frontend.tokenizer)
@@ -73,6 +91,8 @@ class EngineClient:
             eos_token_ids=sorted(frontend.eos_token_ids),
             threads=threads,
             max_restarts=max_restarts,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )
         self._reader: asyncio.Task[None] | None = None
 
@@ -100,8 +120,9 @@ class EngineClient:
                 shm.unlink(name)
 
     @property
-    def healthy(self) -> bool:
-        return self.engine.healthy
+    def unavailable_reason(self) -> str | None:
+        """Why a new request would be refused now (engine not running, or silent); None if not."""
+        return self.engine.unavailable_reason
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -110,8 +131,9 @@ class EngineClient:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request; yields its (cumulative) output after every step that changed it.
         Closing the iterator early (client gone) aborts the request and frees what it holds."""
-        if not self.healthy:
-            raise EngineDeadError("the engine is not running")
+        reason = self.unavailable_reason
+        if reason is not None:
+            raise EngineDeadError(reason)
         if request_id in self.queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -154,7 +176,8 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         child_ids = self.detokenizer.abort(request_id)
-        if child_ids and self.healthy:
+        # Queued for an engine that is only silent: it drops the request if it comes back.
+        if child_ids and self.engine.healthy:
             await self._push.send(encoder.encode(AbortRequests(child_ids)))
 
     # -- engine output ----------------------------------------------------------------------------
@@ -164,6 +187,10 @@ class EngineClient:
             try:
                 if await self._pull.poll(500):
                     self._dispatch(await self._pull.recv())
+                else:
+                    # Only with the socket drained: an API process that was held up itself reads
+                    # the heartbeats waiting for it before it judges the engine.
+                    self.engine.kill_if_stalled()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -191,15 +218,18 @@ class EngineClient:
             self.segments.pop(message.request_id, None)  # the engine released them
             queue = self.queues.get(message.request_id)
             if queue is not None:
-                queue.put_nowait(RequestRefused(message.message))
+                error = RequestFailedInEngine if message.internal else RequestRefused
+                queue.put_nowait(error(message.message))
         elif isinstance(message, Stats):
             if self.engine.ready.is_set():  # not the last words of a dead engine, read after its death
                 self.stats = message
+        elif isinstance(message, Heartbeat):
+            self.engine.heartbeat(message.pid)
         elif isinstance(message, Ready):
             self.engine.mark_ready(message.memory_plan, message.summary)
 
     async def _engine_died(self) -> None:
-        self.engine.died()
+        what = self.engine.died()
         if not self.engine.was_ready:
             # It never started (a bad checkpoint, too small a budget): starting it again would
             # fail the same way; start() reports it.
@@ -207,7 +237,7 @@ class EngineClient:
         self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.detokenizer.abort(request_id)
-            queue.put_nowait(EngineDeadError("the engine process died while serving this request"))
+            queue.put_nowait(EngineDeadError(f"the engine process {what} while serving this request"))
         for names in self.segments.values():
             for name in names:
                 shm.unlink(name)

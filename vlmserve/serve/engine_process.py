@@ -3,16 +3,20 @@
 
 It connects to the API process's two ZMQ sockets, takes AddRequest / AbortRequests messages,
 copies each request's pixels out of shared memory (unlinking the segments), steps the engine
-core while there is work, and sends back each step's token ids plus periodic stats. It exits
-when told to, and by itself when the API process that started it is gone.
+core while there is work, and sends back each step's token ids plus periodic stats. A thread of
+its own sends a heartbeat every HEARTBEAT_INTERVAL_S, so the API process can tell a long step from
+a stopped process. It exits when told to, and by itself when the API process that started it is
+gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 
 import msgspec
@@ -31,6 +35,7 @@ from vlmserve.serve import shm, token_handles
 from vlmserve.serve.messages import (
     AbortRequests,
     AddRequest,
+    Heartbeat,
     Ready,
     RequestFailed,
     Shutdown,
@@ -42,6 +47,38 @@ from vlmserve.serve.messages import (
 
 logger = logging.getLogger("vlmserve.engine")
 STATS_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends Heartbeat(pid) to `address` every HEARTBEAT_INTERVAL_S until stopped.
+
+    Not from the step loop: one step (a large image's encode, a long prefill on a small CPU) may
+    legitimately take many seconds, and that is not a stall. What stops the heartbeat is the whole
+    process stopping (SIGSTOP, a debugger, swapped out) or the interpreter held for the whole
+    timeout by one call that keeps the GIL; the API process treats both as a stall (torch kernels
+    release the GIL, so a long step does not). The thread has a PUSH socket of its own (ZMQ sockets
+    are not thread-safe), connected to the same PULL socket as the step loop's; CONFLATE keeps
+    only the latest heartbeat queued when the API process is slow to read."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.context, self.address = context, address
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        socket = self.context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.CONFLATE, 1)
+        socket.connect(self.address)
+        beat = encoder.encode(Heartbeat(os.getpid()))
+        try:
+            while True:
+                with contextlib.suppress(zmq.Again):  # not connected yet: the next one goes
+                    socket.send(beat, zmq.NOBLOCK)
+                if self.stopped.wait(HEARTBEAT_INTERVAL_S):
+                    return
+        finally:
+            socket.close(linger=0)  # before the context is terminated, which waits for every socket
 
 
 class EngineLoop:
@@ -78,8 +115,8 @@ class EngineLoop:
             self.stat_logger.maybe_log()
 
     def _step(self) -> None:
-        """One engine step; a request the step failed for is answered RequestFailed (its
-        siblings finished too) and the engine goes on."""
+        """One engine step; a request an error in the engine failed is answered RequestFailed
+        (internal; its siblings finished too) and the engine goes on."""
         outputs = self.core.step()
         for output in outputs:
             if output.finish_reason is not None:
@@ -94,7 +131,7 @@ class EngineLoop:
             self.core.finish_requests(siblings)
             for sibling in siblings:
                 self.parents.pop(sibling, None)
-            self.push.send(encoder.encode(RequestFailed(parent, why)))
+            self.push.send(encoder.encode(RequestFailed(parent, why, internal=True)))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -123,6 +160,11 @@ class EngineLoop:
         except (ValueError, shm.ShmError) as e:
             self.core.finish_requests(list(message.child_ids))  # any child already admitted
             self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))
+        except Exception as e:  # our own error, not the request's: it fails alone
+            logger.exception("adding request %s failed", message.request_id)
+            self.core.finish_requests(list(message.child_ids))
+            why = f"adding it raised {type(e).__name__}"
+            self.push.send(encoder.encode(RequestFailed(message.request_id, why, internal=True)))
 
     def _prompt(self, message: AddRequest) -> ProcessedPrompt:
         """Pixels out of shared memory (segments unlinked whatever happens)."""
@@ -186,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     pull.connect(args.input)
     push = context.socket(zmq.PUSH)
     push.connect(args.output)
+    heartbeat = HeartbeatThread(context, args.output)
+    heartbeat.start()
     try:
         EngineLoop(core, pull, push, args.parent).run()
     finally:
+        heartbeat.stopped.set()
+        heartbeat.join()
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()

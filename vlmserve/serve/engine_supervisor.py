@@ -1,7 +1,14 @@
 """The engine process as a process: started on the API process's socket addresses with the
-engine config, known ready when its Ready message arrives, watched for death, started again
-after a death up to `max_restarts` times, and stopped at shutdown (killed if it does not exit
-in time). What travels on the sockets, and the requests in flight, are the client's business."""
+engine config, known ready when its Ready message arrives, watched for death and for silence,
+started again after a death up to `max_restarts` times, and stopped at shutdown (killed if it does
+not exit in time). What travels on the sockets, and the requests in flight, are the client's
+business.
+
+Silence: the engine sends a heartbeat every 0.5 s from a thread of its own. Once ready, an engine
+not heard from for `heartbeat_timeout_s` is unresponsive (the server answers 503 until it is heard
+from again: same process, nothing lost); one silent for `stall_timeout_s` is killed (SIGKILL: a
+stopped process does not act on SIGTERM), and its death is handled as any other: a restart that
+counts toward `max_restarts`."""
 
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ logger = logging.getLogger("vlmserve.api")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine process is not running (it died, or is still starting)."""
+    """The engine process is not running (it died, or is still starting) or not responding."""
 
 
 def _engine_config_json(config: EngineConfig) -> str:
@@ -39,6 +46,8 @@ class EngineSupervisor:
         eos_token_ids: list[int],
         threads: int = 0,
         max_restarts: int = 3,
+        heartbeat_timeout_s: float = 10.0,
+        stall_timeout_s: float = 60.0,
     ) -> None:
         self.config = config
         # The engine loads no tokenizer: the ids that end generation come from here.
@@ -48,12 +57,16 @@ class EngineSupervisor:
         self.threads = threads
         self.max_restarts = max_restarts
         self.restarts = 0
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.ready = asyncio.Event()
         self.memory_plan = ""
         self.summary: dict[str, str] = {}  # the start-up banner's lines, from its Ready message
         self.was_ready = False  # once: an engine that dies before it was ever ready is not restarted
         self._process: subprocess.Popen[bytes] | None = None
         self._spawned_at = 0.0
+        self._last_heartbeat = 0.0  # time.monotonic() of the running engine's latest
+        self._killed_for = ""  # why we killed the running engine, if we did
 
     def spawn(self) -> None:
         command = [
@@ -75,6 +88,7 @@ class EngineSupervisor:
         ]
         self.ready.clear()
         self._spawned_at = time.monotonic()
+        self._killed_for = ""
         self._process = subprocess.Popen(command)
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -99,6 +113,7 @@ class EngineSupervisor:
         self.memory_plan = memory_plan
         self.summary = dict(summary or {})
         self.was_ready = True
+        self._last_heartbeat = time.monotonic()
         self.ready.set()
         logger.info("engine process ready (pid %s, %.1f s after it was started)", self.pid, self.elapsed)
 
@@ -115,6 +130,35 @@ class EngineSupervisor:
     def healthy(self) -> bool:
         return self.ready.is_set() and self.running
 
+    def heartbeat(self, pid: int) -> None:
+        """A Heartbeat message arrived (one from an engine since killed is ignored)."""
+        if pid == self.pid:
+            self._last_heartbeat = time.monotonic()
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the running engine's latest heartbeat (or its Ready message)."""
+        return time.monotonic() - self._last_heartbeat
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot serve a request now; None when it can."""
+        if not self.healthy:
+            return "the engine is not running"
+        silent = self.silent_s
+        if silent > self.heartbeat_timeout_s:
+            return f"the engine process has not responded for {silent:.0f} s"
+        return None
+
+    def kill_if_stalled(self) -> None:
+        """Kill a ready engine silent for more than `stall_timeout_s`; `exited` then sees it. Call
+        it only with nothing unread on the engine's socket (a heartbeat may be waiting there)."""
+        if self._process is None or not self.healthy or self._killed_for or self.silent_s <= self.stall_timeout_s:
+            return
+        self._killed_for = f"stopped responding (no heartbeat for {self.stall_timeout_s:g} s) and was killed"
+        logger.error("the engine process (pid %s) %s", self.pid, self._killed_for)
+        self._process.kill()
+
     @property
     def exited(self) -> bool:
         """The engine process was started and has exited since (not yet restarted)."""
@@ -124,11 +168,13 @@ class EngineSupervisor:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def died(self) -> None:
-        """Note an exit seen by `exited`: logged, and not ready until a restart is."""
+    def died(self) -> str:
+        """Note an exit seen by `exited`: logged, and not ready until a restart is. Says what
+        happened to it, e.g. "died (exit code -9)"."""
         code = self._process.returncode if self._process else None
         logger.error("the engine process exited (code %s)", code)
         self.ready.clear()
+        return self._killed_for or f"died (exit code {code})"
 
     def restart(self) -> bool:
         """Start the engine again after a death; False (and no process from now on) once it has

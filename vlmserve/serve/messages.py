@@ -52,10 +52,13 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag="failed"):
-    """The engine refused a request (its segments are released); `message` names why."""
+    """The engine refused a request, or failed it (its segments are released); `message` names
+    why. `internal`: the engine's own error while computing it, not something wrong with the
+    request (the client gets a 500 without the message, which goes to the log)."""
 
     request_id: str
     message: str
+    internal: bool = False
 
 
 class Stats(msgspec.Struct, frozen=True, tag="stats"):
@@ -69,7 +72,14 @@ class Stats(msgspec.Struct, frozen=True, tag="stats"):
     preemptions: int
 
 
-FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats]  # noqa: UP007
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """Sent every HEARTBEAT_INTERVAL_S by a thread of the engine process, whatever its step loop is
+    doing; `pid` tells the running engine's from a killed one's read late."""
+
+    pid: int
+
+
+FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats, Heartbeat]  # noqa: UP007
 
 # The engine's own types on the wire (tensors as vlmserve.engine.serial's extension), no pickle.
 to_engine_decoder = serial.decoder(ToEngine)

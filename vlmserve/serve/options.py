@@ -8,7 +8,15 @@ import errno
 import os
 import socket
 
-from vlmserve.arg_types import existing_dir, network, non_negative_int, port, positive_float, positive_int
+from vlmserve.arg_types import (
+    existing_dir,
+    limit_mm_per_prompt,
+    network,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from vlmserve.errors import UsageError, UserError
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -31,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: $VLMSERVE_API_KEY, else none)",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: MODEL's last path part)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names a request's model may give (the first is the one responses carry; default: MODEL's "
+        "last path part); any other name gets 404",
     )
     p.add_argument(
         "--dtype",
@@ -67,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--limit-images", type=non_negative_int, default=8, help="images per request")
     p.add_argument("--limit-videos", type=non_negative_int, default=1, help="videos per request")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=limit_mm_per_prompt,
+        default={},
+        metavar="JSON",
+        help='items per request by modality, as vLLM takes it: \'{"image": 4, "video": 1}\' (0 refuses the '
+        "modality; default: --limit-images / --limit-videos for a modality left out)",
+    )
     p.add_argument(
         "--max-pixels",
         type=positive_int,
@@ -109,6 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens one image may need after resizing, checked before decoding (default: what max_pixels gives)",
     )
     p.add_argument(
+        "--max-video-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens one video may need (all its frames), checked before decoding (default: max_model_len - 1)",
+    )
+    p.add_argument(
         "--max-video-bytes",
         type=positive_int,
         default=64 * 1024 * 1024,
@@ -139,6 +166,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request's headers, and then its body (408); the connection is closed",
     )
     p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=1024,
+        help="client connections open at once (lowered to fit the open-files limit); past it the one idle "
+        "longest is closed",
+    )
+    p.add_argument(
         "--engine-threads", type=non_negative_int, default=0, help="torch threads in the engine (0: torch's default)"
     )
     p.add_argument(
@@ -146,6 +180,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=3,
         help="times a dead engine process is started again before the server gives up (503)",
+    )
+    p.add_argument(
+        "--engine-heartbeat-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds without a heartbeat from the engine process (it sends one every 0.5 s, however long its "
+        "step) after which /health and new requests get 503 naming it; requests in flight wait, and all is "
+        "normal again when it is heard from",
+    )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds without a heartbeat after which the engine process is killed and restarted (counts toward "
+        "--max-engine-restarts); its requests in flight get 503 naming the stall (at least "
+        "--engine-heartbeat-timeout)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none), or a folder",
     )
     p.add_argument(
         "--log-stats-interval",
@@ -171,12 +228,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def listen(sock: socket.socket) -> None:
+def listen(sock: socket.socket, backlog: int = 2048) -> None:
     """Start listening on a socket from bind(). Two servers that bound the same port while both
-    were loading meet here: the second one gets the busy-port error."""
+    were loading meet here: the second one gets the busy-port error. `backlog` bounds the
+    connections the kernel queues before they are accepted (see connections.connection_limits)."""
     host, port = sock.getsockname()[:2]
     try:
-        sock.listen(2048)
+        sock.listen(backlog)
     except OSError as e:
         raise _port_error(e, host, port) from None
 

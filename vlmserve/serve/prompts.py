@@ -72,7 +72,9 @@ class PromptBuilder:
         _walk_text(body.messages, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
-        params = body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
+        params = self._resolve(
+            body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
+        )
         self._check_last_message_length(body.messages)
         # Rendering tokenizes too (Qwen-VL-Chat's chat format): off the event loop.
         chat = await self._in_thread(
@@ -88,8 +90,13 @@ class PromptBuilder:
         return await self._process(chat.prompt, images, "messages", videos), params
 
     async def completion(self, body: CompletionRequest) -> tuple[list[ProcessedPrompt], SamplingParams]:
-        params = body.sampling_params(
-            self.frontend.default_sampling_params(), self._max_tokens(body.max_tokens), body.logprobs, self.ctx.max_n
+        params = self._resolve(
+            body.sampling_params(
+                self.frontend.default_sampling_params(),
+                self._max_tokens(body.max_tokens),
+                body.logprobs,
+                self.ctx.max_n,
+            )
         )
         raw = body.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -153,10 +160,21 @@ class PromptBuilder:
             ) from None
 
     def _max_tokens(self, requested: int | None) -> int | None:
+        """The request's max_tokens, capped by the generation config's max_new_tokens (as vLLM)."""
         limit = self.frontend.max_model_len - 1
         if requested is not None and requested > limit:
             raise APIError(400, f"max_tokens must be at most {limit} (max_model_len - 1)", "max_tokens")
-        return requested
+        cap = self.frontend.sampling_defaults.get("max_tokens")
+        return cap if requested is None else requested if cap is None else min(requested, cap)
+
+    def _resolve(self, params: SamplingParams) -> SamplingParams:
+        """Bad words as token ids, logit_bias checked against the vocabulary (tokenizes: a few
+        short words at most, MAX_BAD_WORDS of MAX_STOP_LENGTH characters)."""
+        try:
+            return self.frontend.resolve_params(params)
+        except ValueError as e:
+            message = str(e)
+            raise APIError(400, message, message.split(" ", 1)[0]) from None
 
     async def _fetch_media(
         self, images: list[ImageInput], videos: list[VideoInput]

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from vlmserve.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams, as_float32
+from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
+from vlmserve.processor.chat import ROLES, SIZING_KEYS
+from vlmserve.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024  # entries
+LOGIT_BIAS_LIMIT = 100.0  # values are clamped to +-this, as OpenAI's API and vLLM do
 
 
 class APIError(Exception):
@@ -30,21 +36,89 @@ class APIError(Exception):
             413: "invalid_request_error",
             429: "rate_limit_error",
             503: "service_unavailable",
-        }.get(status, "server_error")
+        }.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def check_text(value: str, param: str) -> str:
-    """Text must be valid Unicode (no lone surrogates) without NUL characters."""
+def text_problem(value: str) -> str | None:
+    """What makes `value` unusable as text, if anything: a NUL character, or a lone surrogate
+    (not valid Unicode, so it cannot be encoded to go to the engine)."""
     if "\x00" in value:
-        raise APIError(400, f"{param} contains a NUL character", param)
+        return "contains a NUL character"
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"{param} contains a lone surrogate (not valid Unicode)", param) from None
+        return "contains a lone surrogate (not valid Unicode)"
+    return None
+
+
+def check_text(value: str, param: str) -> str:
+    """Text must be valid Unicode (no lone surrogates) without NUL characters."""
+    problem = text_problem(value)
+    if problem:
+        raise APIError(400, f"{param} {problem}", param)
     return value
+
+
+def _object(properties: dict[str, Any], required: list[str], rules: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": required, **rules}
+
+
+# The message shapes vlmserve.processor.chat reads, for the OpenAPI schema only (validation is
+# parse_chat_messages', whose messages name what is wrong): without it the published schema
+# says "a list of objects", and no client or schema-driven test learns what a message holds.
+_MEDIA_SOURCE = {
+    "type": "string",
+    "format": "uri",
+    "minLength": 1,
+    "description": "a data: or http(s):// URL (file:// under --allowed-local-media-path)",
+}
+_SIZING = {key: {"type": "integer", "minimum": 1} for key in SIZING_KEYS}
+_VIDEO_OPTIONS = {
+    **{key: {"type": "integer", "minimum": 1, "maximum": MAX_OPTION} for key in INT_OPTIONS},
+    **{key: {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_OPTION} for key in NUMBER_OPTIONS},
+    **{key: {"type": "number", "minimum": 0, "maximum": MAX_OPTION} for key in TIME_OPTIONS},
+    "sample_fps": {"type": "number", "minimum": SAMPLE_FPS_RANGE[0], "maximum": SAMPLE_FPS_RANGE[1]},
+}
+# The rules between options of one object: a resize names both sides; a video gives fps or nframes.
+_SIZING_RULES = {"dependentRequired": {"resized_height": ["resized_width"], "resized_width": ["resized_height"]}}
+_VIDEO_RULES = {**_SIZING_RULES, "not": {"required": ["fps", "nframes"]}}
+
+
+def _part(kind: str, source: dict[str, Any], options: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
+    return _object({"type": {"const": kind}, kind: source, **options}, ["type", kind], rules)
+
+
+CONTENT_PART_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string"},
+        _part("text", {"type": "string"}, {}, {}),
+        _part("image_url", _object({"url": _MEDIA_SOURCE, **_SIZING}, ["url"], _SIZING_RULES), _SIZING, _SIZING_RULES),
+        _part("image", _MEDIA_SOURCE, _SIZING, _SIZING_RULES),
+        _part(
+            "video_url",
+            _object({"url": _MEDIA_SOURCE, **_VIDEO_OPTIONS}, ["url"], _VIDEO_RULES),
+            _VIDEO_OPTIONS,
+            _VIDEO_RULES,
+        ),
+        _part(
+            "video",
+            {"anyOf": [_MEDIA_SOURCE, {"type": "array", "items": _MEDIA_SOURCE, "minItems": 1}]},
+            _VIDEO_OPTIONS,
+            _VIDEO_RULES,
+        ),
+    ]
+}
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART_SCHEMA}, {"type": "null"}]},
+    },
+    "required": ["role"],
+}
 
 
 class StreamOptions(BaseModel):
@@ -58,7 +132,9 @@ class _SamplingFields(BaseModel):
     # Integers the engine keeps as int64, floats it computes with in float32 (sampling_params.py).
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # The smallest top_p the engine takes is published as the minimum (not "> 0"): a client or a
+    # schema-driven test reading the schema then never sends a value that the validator refuses.
+    top_p: Annotated[float, Field(le=1.0, json_schema_extra={"minimum": FLOAT32_TINY})] | None = None
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     n: int = Field(default=1, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
@@ -72,11 +148,19 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     user: str | None = None
+    # vLLM's sampling extensions and OpenAI's penalties; ranges are SamplingParams' (400 outside).
+    repetition_penalty: float | None = None  # None: the --generation-config default
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None  # None: the --generation-config default
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
 
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, value: float | None) -> float | None:
-        if value is not None and as_float32(value) < FLOAT32_TINY:
+        if value is not None and not value >= FLOAT32_TINY:  # exactly the published minimum (NaN too)
             raise ValueError(f"must be at least {FLOAT32_TINY:.3g} (0 in float32 would mask every token)")
         return value
 
@@ -88,13 +172,40 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
             raise ValueError(f"stop strings must be 1..{MAX_STOP_LENGTH} characters")
+        for i, stop in enumerate(stops):  # stop strings go to the engine process as UTF-8
+            problem = text_problem(stop)
+            if problem:
+                raise ValueError(f"stop string {i} {problem}")
         return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if any(not w.strip() or len(w) > MAX_STOP_LENGTH for w in value or []):
+            raise ValueError(f"bad words must be 1..{MAX_STOP_LENGTH} characters, not blank")
+        return value
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Keys are token ids written as strings (OpenAI's JSON); values clamped to +-100."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(
+                    400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias"
+                )
+            if not math.isfinite(bias):
+                raise APIError(400, f"logit_bias values must be finite numbers, got {bias!r}", "logit_bias")
+            out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+        return out
 
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, max_n: int
     ) -> SamplingParams:
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 n=self.n,
@@ -109,6 +220,15 @@ class _SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=logprobs,
+                repetition_penalty=defaults.repetition_penalty
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                min_p=defaults.min_p if self.min_p is None else self.min_p,
+                min_tokens=self.min_tokens,
+                logit_bias=logit_bias,
+                bad_words=self.bad_words,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             message = str(e)
@@ -116,7 +236,7 @@ class _SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": MESSAGE_SCHEMA})
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

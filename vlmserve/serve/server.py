@@ -3,10 +3,14 @@
 The API process (this one) runs FastAPI under uvicorn; the engine runs in a child process. On
 SIGTERM the server drains: requests in flight finish while new ones get 503 (the port stays open
 until the last one is done), then both processes exit. A client has --read-timeout seconds to send
-a request's headers and again its body; past it the connection is closed.
+a request's headers and again its body; past it the connection is closed. At most
+--max-connections client connections are open at once (vlmserve/serve/connections.py).
 If the engine process dies, requests in flight get an error (a stream gets an error event),
 /health answers 503, and the engine is started again, up to --max-engine-restarts times; after
-that the server keeps answering 503 until it is restarted.
+that the server keeps answering 503 until it is restarted. An engine process that sends no
+heartbeat (one every 0.5 s, from a thread of its own) for --engine-heartbeat-timeout seconds is
+not responding: /health and new requests get 503 naming it until it is heard from again; silent
+for --engine-stall-timeout seconds, it is killed and restarted as after a death.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from vlmserve.engine.frontend import load_frontend
 from vlmserve.errors import UserError
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
-from vlmserve.serve import shm
+from vlmserve.serve import connections, memory, shm
 from vlmserve.serve.app import build_app
 from vlmserve.serve.engine_client import EngineClient
 from vlmserve.serve.engine_supervisor import EngineDeadError
@@ -65,12 +69,14 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         memory_budget_bytes=None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB),
         kv_cache_memory_bytes=None if args.kv_cache_memory_gib is None else int(args.kv_cache_memory_gib * GiB),
-        limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos},
+        limit_mm_per_prompt={"image": args.limit_images, "video": args.limit_videos, **args.limit_mm_per_prompt},
+        generation_config=args.generation_config,
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,
             max_image_pixels=args.max_image_pixels,
             max_image_tokens=args.max_image_tokens,
+            max_video_tokens=args.max_video_tokens,
             fetch_timeout_s=args.media_fetch_timeout,
             allowed_local_media_path=args.allowed_local_media_path,
             allow_local_files=args.allowed_local_media_path is not None,
@@ -80,7 +86,15 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     )
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
-    client = EngineClient(config, frontend, threads=args.engine_threads, max_restarts=args.max_engine_restarts)
+    names = tuple(args.served_model_name or [Path(args.model).name])
+    client = EngineClient(
+        config,
+        frontend,
+        threads=args.engine_threads,
+        max_restarts=args.max_engine_restarts,
+        heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        stall_timeout_s=args.engine_stall_timeout,
+    )
     ctx = ServingContext(
         frontend=frontend,
         client=client,
@@ -91,8 +105,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
             max_bytes=args.max_media_bytes,
             timeout_s=args.media_fetch_timeout,
         ),
-        model_name=args.served_model_name or Path(args.model).name,
+        model_name=names[0],
         max_n=args.max_n,
+        served_model_names=names,
     )
     app, asgi = build_app(
         ctx,
@@ -164,17 +179,26 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     # The engine process inherits these.
     os.environ["VLMSERVE_LOG_LEVEL"] = args.log_level
     os.environ["VLMSERVE_LOG_STATS_INTERVAL"] = str(args.log_stats_interval)
+    memory.return_freed_memory()
+    open_files = connections.raise_open_files_limit()
     sock = sock or bind(args.host, args.port)
     app, asgi, client = build(args)
+    in_use = connections.open_descriptors()
+    max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
+    if max_connections < args.max_connections:
+        logger.warning(
+            "at most %d client connections fit under the open-files limit of %d", max_connections, open_files
+        )
     server = DrainingServer(
         uvicorn.Config(
             asgi,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            http=header_deadline(args.read_timeout),
+            http=connections.capped_connections(header_deadline(args.read_timeout), max_connections),
             timeout_keep_alive=min(5.0, args.read_timeout),
             timeout_graceful_shutdown=60,
+            backlog=backlog,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
         ),
@@ -189,11 +213,11 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
         default_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
-    asyncio.run(_serve(server, client, sock))
+    asyncio.run(_serve(server, client, sock, backlog))
     return 0
 
 
-async def _serve(server: DrainingServer, client: EngineClient, sock: socket.socket) -> None:
+async def _serve(server: DrainingServer, client: EngineClient, sock: socket.socket, backlog: int) -> None:
     """The engine first (loading and profiling the model), then the HTTP server on `sock`."""
     try:
         await client.start()
@@ -201,7 +225,7 @@ async def _serve(server: DrainingServer, client: EngineClient, sock: socket.sock
         await client.shutdown()
         raise UserError(f"the engine did not start: {e}") from None
     try:
-        listen(sock)
+        listen(sock, backlog)
     except UserError:
         await client.shutdown()
         raise
@@ -216,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="vlmserve serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    return run(parser.parse_intermixed_args(argv))
+    args = parser.parse_intermixed_args(argv)
+    if args.engine_stall_timeout < args.engine_heartbeat_timeout:
+        parser.error("--engine-stall-timeout must be at least --engine-heartbeat-timeout")
+    return run(args)

@@ -1,9 +1,11 @@
 """What the two endpoints' serving share: the context they run in (front end, engine client,
 metrics, fetch policy, served name, the cap on n), and one engine request's outputs, counted in
-the metrics by outcome, with the engine's refusal (400) and death (503) as API errors."""
+the metrics by outcome, with the engine's refusal (400), its error while computing the request
+(500, the details in the log only) and its death (503) as API errors."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -12,11 +14,14 @@ from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.engine_client import EngineClient, RequestRefused
+from vlmserve.serve.engine_client import EngineClient, RequestFailedInEngine, RequestRefused
 from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
-from vlmserve.serve.protocol import APIError
+from vlmserve.serve.protocol import APIError, check_text
+
+logger = logging.getLogger("vlmserve.api")
+MAX_NAME_SHOWN = 256  # characters of an unknown model name an error echoes
 
 
 @dataclass
@@ -25,8 +30,19 @@ class ServingContext:
     client: EngineClient
     metrics: Metrics
     fetch_policy: FetchPolicy
-    model_name: str
+    model_name: str  # the name responses carry
     max_n: int = 8
+    # Every name a request's `model` may give (model_name among them); empty: model_name alone.
+    served_model_names: tuple[str, ...] = ()
+
+    def check_model(self, name: str | None) -> None:
+        """A request names a served model or none (the served one, as in vLLM); any other name is
+        a 404 in vLLM's words, the name shown truncated."""
+        if name is None or name in (self.served_model_names or (self.model_name,)):
+            return
+        check_text(name, "model")  # echoed below: it must encode
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist.", "model", "model_not_found", "NotFoundError")
 
 
 class EngineServing:
@@ -55,6 +71,11 @@ class EngineServing:
         except RequestRefused as e:
             outcome = "error"
             raise APIError(400, str(e)) from None
+        except RequestFailedInEngine as e:
+            outcome = "error"
+            logger.error("request %s failed in the engine: %s", request_id, e)
+            message = f"internal error while computing this request ({request_id})"
+            raise APIError(500, message, code="internal_error") from None
         except EngineDeadError as e:
             outcome = "engine_down"
             raise APIError(503, str(e), code="engine_unavailable") from None

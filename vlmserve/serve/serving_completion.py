@@ -1,7 +1,8 @@
 """POST /v1/completions once its prompts are built: one engine request per prompt, run side by
 side, choice `i * n + k` being prompt i's sample k. Answered as one `text_completion` (usage
 summed over the prompts, legacy logprobs), or streamed as text deltas in the order the engine
-produces them (the `vlmserve` extension on the first chunk; an engine error as an error event)."""
+produces them (the `vlmserve` extension on the first chunk; usage, summed over the prompts, last
+when `stream_options.include_usage` asks for it; an engine error as an error event)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ class CompletionServing(EngineServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         finals = await asyncio.gather(*(self._last(f"{request_id}-{i}", p, params) for i, p in enumerate(prompts)))
         choices = []
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+        for i, final in enumerate(finals):
             for c in final.outputs:
                 choices.append(
                     {
@@ -36,20 +36,19 @@ class CompletionServing(EngineServing):
                         "stop_reason": c.stop_reason,
                     }
                 )
-            part = usage(prompt, final)
-            for key in total:
-                total[key] += part[key]
         return {
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
             "choices": choices,
-            "usage": total,
+            "usage": _total_usage(prompts, finals),
             "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True),
         }
 
-    async def stream(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> AsyncIterator[str]:
+    async def stream(
+        self, prompts: list[ProcessedPrompt], params: SamplingParams, include_usage: bool = False
+    ) -> AsyncIterator[str]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
             "id": request_id,
@@ -70,7 +69,9 @@ class CompletionServing(EngineServing):
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         sent: dict[tuple[int, int], int] = {}
+        finals: dict[int, RequestOutput] = {}
         done = 0
+        failed = False
         # The extension rides on the first chunk.
         first_extension = {"vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True)}
         try:
@@ -81,10 +82,12 @@ class CompletionServing(EngineServing):
                     continue
                 if isinstance(item, APIError):
                     yield sse(item.body())
+                    failed = True
                     break
                 if isinstance(item, BaseException):
                     raise item
                 i, output = item
+                finals[i] = output
                 for c in output.outputs:
                     key = (i, c.index)
                     delta = c.text[sent.get(key, 0) :]
@@ -105,7 +108,19 @@ class CompletionServing(EngineServing):
                                 ]
                             }
                         )
+            if include_usage and not failed and len(finals) == len(prompts):
+                ordered = [finals[i] for i in range(len(prompts))]
+                yield sse(base | {"choices": [], "usage": _total_usage(prompts, ordered)})
             yield SSE_DONE
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _total_usage(prompts: list[ProcessedPrompt], finals: list[RequestOutput]) -> dict[str, int]:
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for prompt, final in zip(prompts, finals, strict=True):
+        part = usage(prompt, final)
+        for key in total:
+            total[key] += part[key]
+    return total

@@ -65,9 +65,11 @@ class Qwen2VLForConditionalGeneration(VLModel):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        layer_extras: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [num_tokens] (or inputs_embeds [num_tokens, hidden]), positions
         [3, num_tokens] -> hidden states [num_tokens, hidden]."""
+        assert layer_extras is None, "this family's items carry no per-layer extras"
         if inputs_embeds is None:
             assert input_ids is not None
             inputs_embeds = self.get_input_embeddings(input_ids)

@@ -54,15 +54,18 @@ class Qwen2VLProcessingInfo:
     def max_tokens_per_item(self) -> dict[str, int]:
         """Placeholder tokens of the largest image and video admitted, at most a prompt's worth
         each: an image as large as max_pixels (and media_limits.max_image_tokens) allows; a video
-        as long as qwen-vl-utils' default total_pixels allows (128000 * 0.9 tokens), of frames no
-        larger than max_video_frame_tokens."""
+        as long as qwen-vl-utils' default total_pixels allows (128000 * 0.9 tokens, and
+        media_limits.max_video_tokens), of frames no larger than max_video_frame_tokens."""
         cfg = self.image_config
         by_pixels = cfg.max_pixels // (cfg.patch_size**2 * self.merge_size**2)
         prompt = self.limits.max_model_len - 1
         image = min(by_pixels, prompt)
         if self.media_limits.max_image_tokens is not None:
             image = min(image, self.media_limits.max_image_tokens)
-        return {"image": max(1, image), "video": max(1, min(int(MODEL_SEQ_LEN * 0.9), prompt))}
+        video = min(int(MODEL_SEQ_LEN * 0.9), prompt)
+        if self.media_limits.max_video_tokens is not None:
+            video = min(video, self.media_limits.max_video_tokens)
+        return {"image": max(1, image), "video": max(1, video)}
 
     def max_video_frame_tokens(self) -> int:
         """Tokens one temporal patch of a video may take: qwen-vl-utils' largest default frame
@@ -164,27 +167,36 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, opened, strict=True)]
         plans = [open_video(v.source, v.options, self.image_config, v.label, self.media_limits) for v in videos]
         video_counts = [self._video_tokens(plan) for plan in plans]
+        # NOTE: this is the request's multimodal budget too: the items of one prompt can never need
+        # more than max_model_len - 1 - its text, so no separate per-request total is kept.
         num_text = len(token_ids) - len(images) - len(videos)
         num_tokens = num_text + sum(image_counts) + sum(video_counts)
         if num_tokens >= self.limits.max_model_len:
             video_part = f" + {sum(video_counts)} video" if videos else ""
+            counts: list[tuple[ImageInput | VideoInput, int]] = [
+                *zip(images, image_counts, strict=True),
+                *zip(videos, video_counts, strict=True),
+            ]
+            per_item = ", ".join(f"{item.label}: {count}" for item, count in counts)
             raise ValueError(
                 f"prompt needs {num_tokens} tokens ({num_text} text + {sum(image_counts)} image{video_part}), "
                 f"which leaves no room to generate within max_model_len={self.limits.max_model_len}"
+                + (
+                    f"; tokens per item: {per_item}. Send fewer or smaller items (max_pixels, "
+                    "resized_height/resized_width; a video's fps, nframes or total_pixels)"
+                    if counts
+                    else ""
+                )
             )
 
-        pil_images = [
-            pil if isinstance(image.source, Image.Image) else load_pixels(pil, image.label)
-            for image, pil in zip(images, opened, strict=True)
-        ]
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        next_image = iter(zip(pil_images, images, image_counts, strict=True))
+        next_image = iter(zip(opened, images, image_counts, strict=True))
         next_video = iter(zip(plans, video_counts, strict=True))
         for token in token_ids:
             if token == image_id:
                 pil, image, count = next(next_image)
-                item = self._item("image", process_image(pil, self.image_config, image.sizing), count, len(expanded))
+                item = self._item("image", self._decode_and_process(pil, image), count, len(expanded))
             elif token == video_id:
                 plan, count = next(next_video)
                 processed = process_video(plan, self.image_config, self.media_limits)
@@ -236,6 +248,16 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
             )
         return count
 
+    def _decode_and_process(self, pil: Image.Image, image: ImageInput) -> ProcessedImage:
+        """One image's pixels, decoded (a PIL image passed in: as it is) and released once
+        processed, so that a request holds one decoded image at a time."""
+        if isinstance(image.source, Image.Image):
+            return process_image(pil, self.image_config, image.sizing)
+        try:
+            return process_image(load_pixels(pil, image.label), self.image_config, image.sizing)
+        finally:
+            pil.close()
+
     def _video_tokens(self, plan: VideoPlan) -> int:
         t, h, w = plan.grid_thw
         per_frame = h * w // self.merge_size**2
@@ -250,8 +272,13 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         if t * per_frame > max_per_video:
             raise MediaError(
                 f"{plan.label}: the video needs {t * per_frame} tokens ({t} temporal patches of {per_frame}), at most "
-                f"{max_per_video} per video are admitted (max_model_len={self.limits.max_model_len}); "
-                "lower fps, nframes, max_frames, max_pixels or total_pixels"
+                f"{max_per_video} per video are admitted (max_model_len={self.limits.max_model_len}"
+                + (
+                    f", max_video_tokens={self.media_limits.max_video_tokens}"
+                    if self.media_limits.max_video_tokens is not None
+                    else ""
+                )
+                + "); lower fps, nframes, max_frames, max_pixels or total_pixels"
             )
         return t * per_frame
 

@@ -245,7 +245,9 @@ class QWenLMHeadModel(VLModel):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        layer_extras: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        assert layer_extras is None, "this family's items carry no per-layer extras"
         if inputs_embeds is None:
             assert input_ids is not None
             inputs_embeds = self.get_input_embeddings(input_ids)

@@ -1,0 +1,422 @@
+"""Qwen3.5 (Gated DeltaNet + gated full attention, a per-request state cache) against
+transformers 5.23 on the same tiny checkpoint files: config parsing, the delta rule and causal
+conv against transformers' torch fallbacks (state carried across chunks), float32 logits through
+a prefill split into chunks plus decode steps, and greedy tokens through the engine: batched and
+alone, a batch of 16 of mixed lengths, preemption and resume, prefix caching (off for state),
+memory planning that counts the state slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import random_image
+from tests.engine.test_preemption_multimodal import (
+    assert_same_tokens_and_logprobs,
+    hf_greedy_with_logprobs,
+    run,
+    start_trace,
+)
+from tests.model_harness import Harness
+from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.families.qwen3_5 import deltanet
+from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
+from vlmserve.families.qwen3_5.tiny import write_tiny_qwen3_5
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.processor.base import ImageInput
+from vlmserve.registry import load_model_config, parse_model_config
+
+__all__ = ["start_trace"]  # the fixture, used by name
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+BLOCK_SIZE = 16
+# The tiny model in float32: 2 full-attention layers x (K + V) x 2 heads x 64 x 4 bytes.
+KV_BYTES_PER_TOKEN = 2048
+# 2 linear-attention layers x (conv window 128 x 3 + recurrent state 4 x 16 x 16 float32) x 4 bytes.
+STATE_BYTES_PER_SLOT = 2 * (128 * 3 + 4 * 16 * 16) * 4
+
+
+def chat(*parts: str) -> str:
+    return f"<|im_start|>user\n{''.join(parts)}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def image(grid_h: int, grid_w: int, seed: int) -> Image.Image:
+    return random_image(16 * grid_w, 16 * grid_h, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def tiny35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def hf35_model(tiny35_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny35_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def harness(tiny35_dir: Path) -> Harness:
+    return Harness(tiny35_dir, torch.float32)
+
+
+def make_engine(model_dir: Path, **overrides) -> LLMEngine:  # type: ignore[no-untyped-def]
+    fields = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=64 * BLOCK_SIZE * KV_BYTES_PER_TOKEN,
+        limit_mm_per_prompt={"image": 2, "video": 1},
+    )
+    return LLMEngine(EngineConfig(**(fields | overrides)))
+
+
+def hf_inputs(model_dir: Path, text: str, pictures: list[Image.Image]) -> tuple[list[int], dict]:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return hf_mm_prompt_ids(tokenizer, Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)), text, pictures)
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def test_tiny_config_reads_as_transformers_reads_it(tiny35_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    ours, theirs = load_model_config(tiny35_dir / "config.json"), AutoConfig.from_pretrained(str(tiny35_dir))
+    text = theirs.text_config
+    family = ours.family_config
+    assert isinstance(family, Qwen35FamilyConfig)
+    assert list(family.layer_types) == text.layer_types == ["linear_attention", "full_attention"] * 2
+    assert (family.num_k_heads, family.num_v_heads) == (text.linear_num_key_heads, text.linear_num_value_heads)
+    assert (family.key_head_dim, family.value_head_dim) == (text.linear_key_head_dim, text.linear_value_head_dim)
+    assert family.conv_kernel_dim == text.linear_conv_kernel_dim
+    assert family.rotary_dim == int(text.head_dim * text.rope_parameters["partial_rotary_factor"]) == 16
+    assert ours.text.mrope_section == tuple(text.rope_parameters["mrope_section"])
+
+
+def test_transformers_default_config_parses() -> None:
+    """transformers' Qwen3_5Config() (the 9B-style defaults): full attention every 4th layer,
+    64 of 256 head dimensions rotated, mrope_section (11, 11, 10) over them. (Its default vision
+    width, 3584, is not its default hidden size: set to match.)"""
+    from transformers import Qwen3_5Config
+
+    config = parse_model_config(Qwen3_5Config(vision_config={"out_hidden_size": 4096}).to_dict())
+    family = config.family_config
+    assert family.layer_types == tuple(
+        "full_attention" if i % 4 == 3 else "linear_attention" for i in range(config.text.num_hidden_layers)
+    )
+    assert (config.text.head_dim, family.rotary_dim, config.text.mrope_section) == (256, 64, (11, 11, 10))
+    assert (family.num_k_heads, family.num_v_heads, family.key_head_dim, family.conv_kernel_dim) == (16, 32, 128, 4)
+    assert config.image_token_id == 248056
+
+
+def test_bad_configs_say_what_is_wrong(tiny35_dir: Path) -> None:
+    import json
+
+    raw = json.loads((tiny35_dir / "config.json").read_text())
+    bad_section = json.loads(json.dumps(raw))
+    bad_section["text_config"]["rope_parameters"]["mrope_section"] = [4, 4, 4]
+    with pytest.raises(ValueError, match=r"mrope_section \[4, 4, 4\] must be three numbers summing to .* 8"):
+        parse_model_config(bad_section)
+    bad_types = json.loads(json.dumps(raw))
+    bad_types["text_config"]["layer_types"] = ["linear_attention", "sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer_types must name 4 layers.*got 3 with \['sliding_attention'\]"):
+        parse_model_config(bad_types)
+
+
+# -- the delta rule and the conv against transformers' torch fallbacks ---------------------------
+
+
+def test_chunked_delta_rule_carries_its_state_across_chunks() -> None:
+    """A 150-token sequence from a random state in chunks of 37, 64 and 49 tokens (chunk
+    boundaries off the 64-token grid) against transformers' chunked rule over the whole."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    n, hk, hv, dk, dv = 150, 2, 4, 16, 8
+    q, k = torch.randn(1, n, hk, dk, generator=g), torch.randn(1, n, hk, dk, generator=g)
+    v = torch.randn(1, n, hv, dv, generator=g)
+    decay, beta = -0.2 * torch.rand(1, n, hv, generator=g), torch.rand(1, n, hv, generator=g)
+    state = torch.randn(1, hv, dk, dv, generator=g)
+    ref, ref_state = torch_chunk_gated_delta_rule(
+        q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    outs, s, start = [], state[0], 0
+    for size in (37, 64, 49):
+        sl = slice(start, start + size)
+        out, s = deltanet.chunk_gated_delta_rule(q[0, sl], k[0, sl], v[0, sl], decay[0, sl], beta[0, sl], s)
+        outs.append(out)
+        start += size
+    assert (torch.cat(outs) - ref[0]).abs().max().item() < 1e-5
+    assert (s - ref_state[0]).abs().max().item() < 1e-5
+
+
+def test_recurrent_step_matches_transformers_for_a_batch() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(1)
+    b, hk, hv, dk, dv = 3, 2, 4, 16, 8
+    q, k = torch.randn(b, 1, hk, dk, generator=g), torch.randn(b, 1, hk, dk, generator=g)
+    v = torch.randn(b, 1, hv, dv, generator=g)
+    decay, beta = -torch.rand(b, 1, hv, generator=g), torch.rand(b, 1, hv, generator=g)
+    state = torch.randn(b, hv, dk, dv, generator=g)
+    ref, ref_state = torch_recurrent_gated_delta_rule(
+        q, k, v, g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, s = deltanet.recurrent_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0], state)
+    assert (out - ref[:, 0]).abs().max().item() < 1e-6 and (s - ref_state).abs().max().item() < 1e-6
+
+
+def test_causal_conv_carries_its_window_across_chunks_and_steps() -> None:
+    """transformers' causal conv over 20 tokens = ours over 7 + 11 tokens, then two single steps."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    g = torch.Generator().manual_seed(2)
+    channels, kernel = 12, 4
+    x, weight = torch.randn(20, channels, generator=g), torch.randn(channels, kernel, generator=g)
+    ref = causal_conv1d_fn(x.t()[None], weight, None, activation="silu")[0].t()
+    window = torch.zeros(channels, kernel - 1)
+    first, window = deltanet.causal_conv1d(x[:7], window, weight)
+    second, window = deltanet.causal_conv1d(x[7:18], window, weight)
+    steps = []
+    for t in (18, 19):
+        out, windows = deltanet.causal_conv1d_step(x[t][None], window[None], weight)
+        steps.append(out)
+        window = windows[0]
+    assert (torch.cat([first, second, *steps]) - ref).abs().max().item() < 1e-6
+
+
+# -- logits ---------------------------------------------------------------------------------------
+
+CASES = {
+    "one image": (chat(IMAGE, "What is this?"), [(14, 20, 1)]),
+    "two images": (chat(IMAGE, "and", IMAGE, "compare them"), [(16, 16, 2), (22, 14, 3)]),
+    "text only": (chat("Tell me a story about a lighthouse that stands alone by a grey and restless sea."), []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_prefill_and_decode_logits_match_transformers_float32(  # type: ignore[no-untyped-def]
+    case: str, tiny35_dir: Path, harness: Harness, hf35_model
+) -> None:
+    """The prompt in three chunks of uneven sizes (ending inside images), then four decode steps,
+    against transformers' one forward over prompt and continuation."""
+    text, sizes = CASES[case]
+    pictures = [image(*size) for size in sizes]
+    engine_processor = make_engine(tiny35_dir, kv_cache_memory_bytes=8 * BLOCK_SIZE * KV_BYTES_PER_TOKEN).processor
+    prompt = engine_processor.process(text, [ImageInput(p) for p in pictures])
+    ids, vision = hf_inputs(tiny35_dir, text, pictures)
+    assert ids == prompt.prompt_token_ids
+    extra = [1234, 77, 151645, 9]
+    reference = hf_mm_logits(hf35_model, ids + extra, vision)
+    n = prompt.num_tokens
+    chunks = [n // 3, n // 2 - n // 3 + 5, n - n // 2 - 5]
+    ours = harness.logits(prompt, chunks=chunks, extra=extra)
+    assert ours.shape == reference.shape
+    assert (ours - reference).abs().max().item() < 1e-4
+
+
+# -- greedy through the engine --------------------------------------------------------------------
+
+MAX_NEW = 8
+MULTI_TURN = (
+    "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n"
+    f"<|im_start|>user\n{IMAGE}Is this picture blue?<|im_end|>\n<|im_start|>assistant\n"
+)
+GREEDY_CASES = [
+    (chat(IMAGE, "What is in this image?"), [(14, 20, 8)]),
+    (chat(IMAGE, IMAGE, "Which is darker?"), [(16, 16, 9), (22, 14, 10)]),
+    (chat("Write a haiku about the sea."), []),
+    (MULTI_TURN, [(16, 18, 11)]),
+]
+
+
+def test_greedy_batched_and_alone_match_transformers_generate(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
+    """Image, two images, text only and multi-turn in one call (a 64-token budget: image prompts
+    prefilled in chunks while others decode), then each alone: transformers' tokens both times."""
+    engine = make_engine(tiny35_dir)
+    prompts: dict[str, ProcessedPrompt] = {}
+    expected = {}
+    for i, (text, sizes) in enumerate(GREEDY_CASES):
+        pictures = [image(*size) for size in sizes]
+        prompts[f"p{i}"] = engine.processor.process(text, [ImageInput(p) for p in pictures])
+        ids, vision = hf_inputs(tiny35_dir, text, pictures)
+        assert ids == prompts[f"p{i}"].prompt_token_ids
+        expected[f"p{i}"] = hf_mm_greedy(hf35_model, ids, vision, MAX_NEW)
+    batched = run(engine, prompts, MAX_NEW)
+    assert {k: o.outputs[0].token_ids for k, o in batched.items()} == expected
+    for key, prompt in prompts.items():
+        alone = run(engine, {key: prompt}, MAX_NEW)
+        assert alone[key].outputs[0].token_ids == expected[key]
+    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
+
+
+def test_a_batch_of_16_mixed_lengths_gives_each_its_tokens_alone(tiny35_dir: Path) -> None:
+    """16 text prompts of 5 to 200 tokens in one run (a 96-token budget: long ones prefill in
+    chunks beside decoding ones, several chunks in one step) give the tokens each gets alone."""
+    engine = make_engine(tiny35_dir, max_num_batched_tokens=96, kv_cache_memory_bytes=160 * BLOCK_SIZE * 2048)
+    g = torch.Generator().manual_seed(3)
+    prompts = {}
+    for i in range(16):
+        length = 5 + (i * 13) % 196
+        ids = torch.randint(200, 150000, (length,), generator=g).tolist()
+        prompts[f"r{i:02d}"] = ProcessedPrompt(prompt_token_ids=ids, mm_items=[], mrope_positions=None, mrope_delta=0)
+    batched = run(engine, prompts, max_tokens=6)
+    for key, prompt in prompts.items():
+        alone = run(engine, {key: prompt}, max_tokens=6)
+        assert batched[key].outputs[0].token_ids == alone[key].outputs[0].token_ids, key
+
+
+def test_a_preempted_request_rebuilds_its_state_and_gives_transformers_tokens(  # type: ignore[no-untyped-def]
+    tiny35_dir: Path, hf35_model, start_trace
+) -> None:
+    """6 blocks (96 tokens) for two ~80-token image prompts with 12 new tokens each: the newer
+    is preempted (its state slot freed), recomputed from its first token, and still gives
+    transformers' tokens and logprobs."""
+    engine = make_engine(tiny35_dir, max_num_batched_tokens=24, kv_cache_memory_bytes=8 * BLOCK_SIZE * 2048)
+    texts = {"old": chat(IMAGE, "What is this?"), "new": chat(IMAGE, "Describe the scene.")}
+    pictures = {"old": image(16, 16, 22), "new": image(14, 20, 21)}
+    prompts = {k: engine.processor.process(texts[k], [ImageInput(pictures[k])]) for k in texts}
+    trace = start_trace(engine)
+    outputs = run(engine, prompts, max_tokens=12)
+    assert trace.preempted and {request_id for request_id, _ in trace.preempted} == {"new"}
+    assert all(computed > 0 for _, computed in trace.preempted), "preempted with state computed"
+    for key in texts:
+        ids, vision = hf_inputs(tiny35_dir, texts[key], [pictures[key]])
+        assert ids == outputs[key].prompt_token_ids
+        assert_same_tokens_and_logprobs(outputs[key], hf_greedy_with_logprobs(hf35_model, ids, vision, 12))
+    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
+
+
+def test_prefix_caching_is_off_for_state_and_a_repeated_image_prompt_recomputes(  # type: ignore[no-untyped-def]
+    tiny35_dir: Path, hf35_model
+) -> None:
+    """Cached KV without the recurrent state of the same token is of no use: a repeated image
+    prompt hits nothing (hit rate 0) and gives transformers' tokens again."""
+    engine = make_engine(tiny35_dir, enable_prefix_caching=True)
+    assert not engine.kv.enable_prefix_caching
+    text, picture = chat(IMAGE, "Describe it."), image(14, 20, 5)
+    prompt = engine.processor.process(text, [ImageInput(picture)])
+    ids, vision = hf_inputs(tiny35_dir, text, [picture])
+    expected = hf_greedy_with_logprobs(hf35_model, ids, vision, 6)
+    for attempt in range(2):
+        out = run(engine, {f"a{attempt}": prompt}, max_tokens=6)[f"a{attempt}"]
+        assert out.num_cached_tokens == 0
+        assert_same_tokens_and_logprobs(out, expected)
+    assert engine.kv.prefix_hits == 0
+
+
+# -- memory planning ------------------------------------------------------------------------------
+
+
+def test_the_memory_plan_counts_state_slots_and_refuses_with_numbers(tiny35_dir: Path) -> None:
+    engine = make_engine(tiny35_dir, max_num_seqs=8)
+    assert engine.core.runner.state_bytes_per_slot == STATE_BYTES_PER_SLOT
+    plan = engine.core.memory_plan
+    assert plan.state_cache_bytes == 8 * STATE_BYTES_PER_SLOT and "per-request state" in plan.describe()
+    for layer in engine.core.runner.state_layers:
+        assert [tuple(s.shape) for s in layer.states] == [(8, 128, 3), (8, 4, 16, 16)]
+
+
+def test_a_budget_without_room_for_the_state_slots_is_refused_with_numbers() -> None:
+    """What the budget leaves after weights, activations and encoder cache holds the KV of one
+    sequence but not that plus the state slots: refused, naming the state and max_num_seqs."""
+    from vlmserve.engine.memory import GiB, plan_kv_cache
+
+    common = dict(
+        weights_bytes=GiB,
+        activation_bytes=GiB // 2,
+        encoder_cache_bytes=GiB // 4,
+        block_bytes=BLOCK_SIZE * KV_BYTES_PER_TOKEN,
+        block_size=BLOCK_SIZE,
+        min_blocks=32,
+        max_useful_blocks=1024,
+    )
+    budget = 2 * GiB
+    plan = plan_kv_cache(budget_bytes=budget, **common)  # type: ignore[arg-type]
+    assert plan.num_blocks == 1024
+    with pytest.raises(
+        ValueError,
+        match=r"budget of 2\.00 GiB is too small: weights 1\.00 GiB .* \+ per-request state 0\.25 GiB "
+        r"\(max_num_seqs slots\) leave 0\.00 GiB .* needs at least 32 blocks .*max_num_seqs",
+    ):
+        plan_kv_cache(budget_bytes=budget, state_cache_bytes=GiB // 4, **common)  # type: ignore[arg-type]
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def test_inspect_reports_state_bytes_per_request_beside_kv_bytes_per_token() -> None:
+    """transformers' default Qwen3.5 (32 layers: 24 Gated DeltaNet, 8 full attention) in bfloat16:
+    KV 8 x (K + V) x 4 heads x 256 x 2 bytes per token; per request, each DeltaNet layer's conv
+    window (2 x 16 x 128 + 32 x 128 = 8192 channels x 3 taps x 2 bytes) and float32 recurrent
+    state (32 heads x 128 x 128 x 4 bytes)."""
+    from transformers import Qwen3_5Config
+
+    from vlmserve.inspect import format_report, inspect_config
+
+    config = parse_model_config(Qwen3_5Config(vision_config={"out_hidden_size": 4096}).to_dict())
+    report = inspect_config(config, torch.bfloat16)
+    assert report.kv_bytes_per_token == 8 * 2 * 4 * 256 * 2
+    assert report.state_bytes_per_request == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    text = format_report(report)
+    assert "state per request: 51,511,296 bytes (49.12 MiB)" in text
+    assert "24 layers x (8192 x 3 bfloat16 + 32 x 128 x 128 float32)" in text
+
+
+def test_make_tiny_writes_the_published_layout(tmp_path: Path) -> None:
+    import json
+
+    from vlmserve.entrypoints.cli import main
+
+    out = tmp_path / "q35"
+    assert main(["make-tiny", "--arch", "qwen3_5", "--untied", "--shards", "2", str(out)]) == 0
+    config = load_model_config(out / "config.json")
+    assert config.architecture == "Qwen3_5ForConditionalGeneration" and not config.text.tie_word_embeddings
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" in names and "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert "model.language_model.layers.1.self_attn.q_proj.weight" in names
+    assert not any("deepstack" in name for name in names)
+    Harness(out)  # every published name loads into the model, and the model has no weight left unloaded
+
+
+def test_a_failed_step_fails_its_requests_frees_their_state_and_the_engine_goes_on(
+    tiny35_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raised may have moved some recurrent states on already; running its requests
+    again would apply those tokens twice, so all of them fail, and nothing leaks."""
+    from vlmserve import LLM, SamplingParams
+
+    llm = LLM(tiny35_dir, dtype="float32", max_model_len=512, kv_cache_memory_gib=0.01)
+    prompts = ["The capital of France", "One two three"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+
+    sampler = llm.llm_engine.runner.sampler
+    original = type(sampler).__call__
+    calls = [0]
+
+    def failing(self, logits, params, generators, histories=None):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:  # both requests have state by then
+            raise RuntimeError("injected sampler failure")
+        return original(self, logits, params, generators, histories)
+
+    monkeypatch.setattr(type(sampler), "__call__", failing)
+    outputs = llm.generate(prompts, params)
+    assert [(o.finished, o.outputs[0].finish_reason) for o in outputs] == [(True, "abort")] * 2
+    engine = llm.llm_engine
+    slots = engine.kv.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots and engine.kv.usage == 0.0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone

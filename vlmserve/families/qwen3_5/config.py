@@ -1,0 +1,139 @@
+"""config.json of Qwen3.5 (Qwen3_5ForConditionalGeneration), in the published nested layout: the
+language model under `text_config` with `layer_types` (or `full_attention_interval`), the
+`linear_*` sizes of its Gated DeltaNet layers, and `rope_parameters` holding mrope_section (over
+the rotary part of a head: head_dim * partial_rotary_factor / 2 frequencies), mrope_interleaved
+and partial_rotary_factor; the vision tower under `vision_config` (Qwen3-VL's, no DeepStack).
+Defaults are transformers' Qwen3_5Config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config
+
+QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class Qwen35FamilyConfig:
+    """What ModelConfig does not say of a Qwen3.5 (ModelConfig.family_config)."""
+
+    layer_types: tuple[str, ...]  # per decoder layer: "linear_attention" or "full_attention"
+    # Gated DeltaNet: a depthwise causal conv of this many taps over q, k and v, then num_k_heads
+    # query/key heads of key_head_dim, each serving num_v_heads / num_k_heads value heads.
+    conv_kernel_dim: int
+    key_head_dim: int
+    value_head_dim: int
+    num_k_heads: int
+    num_v_heads: int
+    # Full attention: the first rotary_dim of each head's head_dim dimensions are rotated.
+    rotary_dim: int
+    num_position_embeddings: int
+    mrope_interleaved: bool
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
+    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    head_dim = int(text_raw.get("head_dim", 256))
+    factor = float(rope.get("partial_rotary_factor", text_raw.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"config.json: partial_rotary_factor {factor} of head_dim {head_dim} must give an even rotary width"
+        )
+    section = tuple(int(n) for n in rope.get("mrope_section", (11, 11, 10)))
+    if len(section) != 3 or 2 * sum(section) != rotary_dim:
+        raise ValueError(
+            f"config.json: mrope_section {list(section)} must be three numbers summing to the rotary half-width "
+            f"{rotary_dim // 2} (head_dim {head_dim} x partial_rotary_factor {factor} / 2)"
+        )
+    # parse_text_config checks mrope_section against the whole head: give it none, set ours after.
+    rope_without_section = {k: v for k, v in rope.items() if k != "mrope_section"}
+    text_fields = {**text_raw, "head_dim": head_dim, "rope_parameters": rope_without_section}
+    text_fields.setdefault("max_position_embeddings", 32768)
+    text_fields.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    text = dataclasses.replace(parse_text_config(text_fields, raw), mrope_section=section)
+    num_layers = text.num_hidden_layers
+    layer_types = text_raw.get("layer_types")
+    if layer_types is None:
+        interval = int(text_raw.get("full_attention_interval", 4))
+        if interval < 1:
+            raise ValueError(f"config.json: full_attention_interval {interval} must be at least 1")
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    layer_types = tuple(layer_types)
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad or len(layer_types) != num_layers:
+        raise ValueError(
+            f"config.json: text_config.layer_types must name {num_layers} layers, each one of {list(LAYER_TYPES)}; "
+            f"got {len(layer_types)}{f' with {bad}' if bad else ''}"
+        )
+    v = raw.get("vision_config") or {}
+    vision = VisionConfig(
+        depth=int(v.get("depth", 27)),
+        embed_dim=int(v.get("hidden_size", 1152)),
+        num_heads=int(v.get("num_heads", 16)),
+        mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
+        hidden_size=int(v.get("out_hidden_size", text.hidden_size)),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size", 16)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        intermediate_size=int(v.get("intermediate_size", 4304)),
+    )
+    if vision.hidden_size != text.hidden_size:
+        raise ValueError(
+            f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
+            f"model's hidden_size {text.hidden_size}"
+        )
+    num_positions = int(v.get("num_position_embeddings", 2304))
+    if int(num_positions**0.5) ** 2 != num_positions:
+        raise ValueError(f"config.json: vision_config.num_position_embeddings {num_positions} must be a square")
+    family = Qwen35FamilyConfig(
+        layer_types=layer_types,
+        conv_kernel_dim=int(text_raw.get("linear_conv_kernel_dim", 4)),
+        key_head_dim=int(text_raw.get("linear_key_head_dim", 128)),
+        value_head_dim=int(text_raw.get("linear_value_head_dim", 128)),
+        num_k_heads=int(text_raw.get("linear_num_key_heads", 16)),
+        num_v_heads=int(text_raw.get("linear_num_value_heads", 32)),
+        rotary_dim=rotary_dim,
+        num_position_embeddings=num_positions,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+    )
+    if family.num_v_heads % family.num_k_heads:
+        raise ValueError(
+            f"config.json: linear_num_value_heads {family.num_v_heads} must be a multiple of "
+            f"linear_num_key_heads {family.num_k_heads}"
+        )
+    if family.conv_kernel_dim < 2:
+        raise ValueError(f"config.json: linear_conv_kernel_dim {family.conv_kernel_dim} must be at least 2")
+    return ModelConfig(
+        model_type=raw["model_type"],
+        architecture=(raw.get("architectures") or [QWEN3_5_ARCHITECTURE])[0],
+        text=text,
+        vision=vision,
+        image_token_id=int(raw.get("image_token_id", 248056)),
+        video_token_id=int(raw.get("video_token_id", 248057)),
+        vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
+        vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
+        checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        family_config=family,
+    )

@@ -1,0 +1,196 @@
+"""The Qwen3.5 decoder: most layers mix tokens with Gated DeltaNet linear attention (per-request
+conv and recurrent states of fixed size, vlmserve.attention.state), every few a gated full
+attention over the paged KV cache (an output gate from the query projection, q/k RMS norms,
+interleaved M-RoPE on the first rotary_dim dimensions of each head). RMS norms scale by
+(1 + weight), as published; the MLP is Qwen3's SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.attention import AttentionBackend
+from vlmserve.attention.layer import PagedAttention
+from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.attention.state import SequenceState
+from vlmserve.config import TextConfig
+from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
+from vlmserve.families.qwen3_5.deltanet import (
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_step,
+)
+from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary, Qwen3MLP
+from vlmserve.models.layers import Linear, apply_rotary
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMS norm scaled by (1 + weight), all in float32, rounded once at the end."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm of the DeltaNet output per value head, scaled, then gated by silu(z)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: TextConfig, family: Qwen35FamilyConfig) -> None:
+        super().__init__()
+        f = family
+        self.f = f
+        # q | k | v (the conv's channels), z (the output gate), b (write strength), a (decay), fused;
+        # loaded from in_proj_qkv / in_proj_z / in_proj_b / in_proj_a.
+        self.split = [f.conv_dim, f.value_dim, f.num_v_heads, f.num_v_heads]
+        self.in_proj = Linear(config.hidden_size, sum(self.split), bias=False)
+        self.conv1d = nn.Conv1d(f.conv_dim, f.conv_dim, f.conv_kernel_dim, groups=f.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(f.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(f.num_v_heads))
+        self.norm = GatedRMSNorm(f.value_head_dim, config.rms_norm_eps)
+        self.out_proj = Linear(f.value_dim, config.hidden_size, bias=False)
+        # Per request: the conv's last kernel - 1 inputs, and the recurrent state (float32).
+        self.state = SequenceState(
+            [
+                ((f.conv_dim, f.conv_kernel_dim - 1), None),
+                ((f.num_v_heads, f.key_head_dim, f.value_head_dim), torch.float32),
+            ]
+        )
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, conv_dim] after the conv -> q, k [n, num_k_heads, key_head_dim], v [n, num_v_heads, value_head_dim]."""
+        f = self.f
+        q, k, v = mixed.split([f.key_dim, f.key_dim, f.value_dim], dim=-1)
+        n = mixed.shape[0]
+        return (
+            q.reshape(n, f.num_k_heads, f.key_head_dim),
+            k.reshape(n, f.num_k_heads, f.key_head_dim),
+            v.reshape(n, f.num_v_heads, f.value_head_dim),
+        )
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.state_slots is not None and meta.state_slots_host is not None and meta.has_initial_state is not None
+        assert self.state.states, "state cache not bound: the engine allocates it before the first step"
+        f = self.f
+        mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        beta = b.sigmoid()  # [n, num_v_heads]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
+        windows, states = self.state.states  # [slots, conv_dim, kernel - 1], [slots, v_heads, key, value]
+        self.state.reset([s for s, init in zip(meta.state_slots_host, meta.has_initial_state, strict=True) if not init])
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
+        out = torch.empty(x.shape[0], f.num_v_heads, f.value_head_dim, dtype=torch.float32, device=x.device)
+        loc = meta.query_start_loc
+        decode = [i for i in range(meta.num_seqs) if loc[i + 1] - loc[i] == 1]
+        if decode:
+            # Single-token steps of any number of sequences at once, states updated in place.
+            rows = torch.tensor([loc[i] for i in decode], device=x.device)
+            slots = meta.state_slots[rows.new_tensor(decode)]
+            conv, windows_new = causal_conv1d_step(mixed[rows], windows[slots], weight)
+            q, k, v = self._heads(conv)
+            out[rows], states_new = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], states[slots])
+            windows.index_copy_(0, slots, windows_new.to(windows.dtype))
+            states.index_copy_(0, slots, states_new)
+        for i in range(meta.num_seqs):
+            start, end = loc[i], loc[i + 1]
+            if end - start == 1:
+                continue
+            slot = meta.state_slots_host[i]
+            conv, window = causal_conv1d(mixed[start:end], windows[slot], weight)
+            q, k, v = self._heads(conv)
+            out[start:end], state = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], states[slot])
+            windows[slot] = window
+            states[slot] = state
+        core = self.norm(out.to(x.dtype).reshape(-1, f.value_head_dim), z.reshape(-1, f.value_head_dim))
+        return self.out_proj(core.reshape(x.shape[0], f.value_dim))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Per head [query | gate] (2 * head_dim), then k, then v; loaded from q_proj / k_proj / v_proj.
+        self.qkv_proj = Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = _partial_rotary(self.q_norm(q), cos, sin)
+        k = _partial_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = self.attn(q.contiguous(), k, v, meta)  # [n, q_size]
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.q_size)))
+
+
+def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dimensions of each head of x [n, heads, head_dim]."""
+    r = cos.shape[-1]
+    return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class Qwen35DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, family: Qwen35FamilyConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.linear = family.layer_types[layer] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, family)
+        else:
+            self.self_attn = GatedAttention(config, backend)
+        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + (self.linear_attn(h, meta) if self.linear else self.self_attn(h, cos, sin, meta))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, config: TextConfig, family: Qwen35FamilyConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen35DecoderLayer(config, family, i, backend) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        assert config.mrope_section is not None
+        self.rotary = InterleavedMRotary(
+            family.rotary_dim, config.rope_theta, config.mrope_section, family.mrope_interleaved
+        )
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """inputs_embeds [num_tokens, hidden]; positions [3, num_tokens] -> [num_tokens, hidden]."""
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)  # [num_tokens, rotary_dim]
+        h = inputs_embeds
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta)
+        return self.norm(h)

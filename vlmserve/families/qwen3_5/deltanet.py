@@ -1,0 +1,120 @@
+"""The arithmetic of a Gated DeltaNet layer, as pure functions over one sequence or a batch of
+single-token steps. The recurrent state S [heads, key_dim, value_dim] is read by a query as
+q @ S and updated by each token as
+
+    S <- exp(g) * S;  S <- S + k (beta * (v - k @ S))^T
+
+(decay, then a delta-rule write: only what S does not already predict for k is written). Prefill
+runs the chunked form (the same sum, reorganised into matmuls over chunks of 64 tokens, exact in
+real arithmetic); decode runs the recurrent form one token at a time, batched over sequences.
+Both start from a given state and return the final one, so a prompt may arrive in any chunks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv with SiLU over one sequence's new tokens.
+
+    x [n, channels]; window [channels, kernel - 1]: the inputs before x (zeros at the start of a
+    sequence); weight [channels, kernel]. Returns (out [n, channels], the new window)."""
+    kernel = weight.shape[-1]
+    assert window.shape == (x.shape[1], kernel - 1), "one window column per tap but the newest"
+    full = torch.cat([window.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)  # [channels, kernel - 1 + n]
+    out = F.conv1d(full[None], weight[:, None, :], groups=weight.shape[0])[0]  # [channels, n]
+    return F.silu(out).t().to(x.dtype), full[:, full.shape[1] - (kernel - 1) :]
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of a batch of sequences: x [b, channels], windows [b, channels,
+    kernel - 1] -> (out [b, channels], the new windows [b, channels, kernel - 1])."""
+    full = torch.cat([windows.to(weight.dtype), x[..., None].to(weight.dtype)], dim=-1)  # [b, channels, kernel]
+    out = F.conv1d(full, weight[:, None, :], groups=weight.shape[0])[..., 0]  # [b, channels]
+    return F.silu(out).to(x.dtype), full[..., 1:]
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalise q and k in float32, scale q by 1/sqrt(key_dim), and repeat each key head for
+    the num_v_heads / num_k_heads value heads it serves (heads on dim -2)."""
+    groups = num_v_heads // q.shape[-2]
+    q = l2norm(q.float()).repeat_interleave(groups, dim=-2)
+    k = l2norm(k.float()).repeat_interleave(groups, dim=-2)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's n tokens from `state`.
+
+    q, k [n, num_k_heads, key_dim]; v [n, num_v_heads, value_dim]; g (log decay, <= 0) and beta
+    [n, num_v_heads]; state [num_v_heads, key_dim, value_dim] float32.
+    Returns (out [n, num_v_heads, value_dim] float32, the final state)."""
+    n, heads = v.shape[0], v.shape[1]
+    q, k = _prepare(q, k, heads)
+    # -> [heads, n, dim], padded to whole chunks (zero k, v, beta and g leave the state as it is).
+    pad = (-n) % CHUNK
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().t(), (0, pad)) for x in (g, beta))
+    c = (n + pad) // CHUNK
+    q, k, v = (x.reshape(heads, c, CHUNK, x.shape[-1]) for x in (q, k, v))  # [heads, chunks, CHUNK, dim]
+    g, beta = g.reshape(heads, c, CHUNK), beta.reshape(heads, c, CHUNK)
+    decay = g.cumsum(-1)  # [heads, chunks, CHUNK]: log of the decay from the chunk start through t
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(decay_i - decay_j) for j <= i: the decay between token j's write and token i.
+    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # Within a chunk the delta writes solve a unit lower-triangular system (the UT transform):
+    # (I + strictly_lower(k_beta k^T * between)) @ [u | w] = [v_beta | k_beta * exp(decay)]
+    # (unitriangular: the solver reads only the strictly lower part and takes ones on the diagonal).
+    system = (k_beta @ k.transpose(-1, -2)) * between
+    rhs = torch.cat([v_beta, k_beta * decay.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    scores = (q @ k.transpose(-1, -2)) * between  # intra-chunk attention, causal
+    q_decayed = q * decay.exp()[..., None]
+    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()  # [heads, chunks]
+    s = state.float()
+    out = torch.empty_like(v)
+    for i in range(c):
+        # What the state does not already predict, then the chunk's reads and its write.
+        new_v = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + scores[:, i] @ new_v
+        s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ new_v
+    return out.reshape(heads, -1, v.shape[-1])[:, :n].transpose(0, 1), s
+
+
+def recurrent_gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of b sequences: q, k [b, num_k_heads, key_dim]; v [b, num_v_heads,
+    value_dim]; g, beta [b, num_v_heads]; state [b, num_v_heads, key_dim, value_dim] float32.
+    Returns (out [b, num_v_heads, value_dim] float32, the new states)."""
+    q, k = _prepare(q, k, v.shape[1])
+    v, g, beta = v.float(), g.float(), beta.float()
+    s = state.float() * g.exp()[..., None, None]
+    predicted = (s * k[..., None]).sum(-2)  # k @ S: [b, heads, value_dim]
+    delta = (v - predicted) * beta[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    return (s * q[..., None]).sum(-2), s

@@ -1,0 +1,213 @@
+"""Write a tiny random-weight Qwen3.5 checkpoint in the published Hugging Face layout: nested
+config.json (text_config with layer_types and full_attention_interval, the linear_* sizes, and
+rope_parameters holding mrope_section, mrope_interleaved and partial_rotary_factor; vision_config
+without DeepStack), weights under the published names (linear_attn.in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a / conv1d / dt_bias / A_log / norm / out_proj, self_attn.q_proj holding
+query and gate per head). Tokenizer, chat template and processor configs are Qwen3-VL's (the
+published Qwen3.5 vocabulary is larger; a tiny checkpoint names its special ids in config.json)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vlmserve.families.qwen3_vl.tiny import write_checkpoint
+from vlmserve.model_files import VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    full_attention_interval: int = 2  # linear, full, linear, full
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    partial_rotary_factor: float = 0.25  # 16 rotary dimensions of 64, as published (64 of 256)
+    mrope_section: tuple[int, int, int] = (3, 3, 2)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    vision_depth: int = 2
+    vision_hidden_size: int = 32
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64
+    num_position_embeddings: int = 64
+    tie_word_embeddings: bool = True
+    dtype: str = "bfloat16"
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [
+            "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+
+PRESETS = {"tiny": TinySpec()}
+
+
+def config_json(spec: TinySpec) -> dict[str, object]:
+    text: dict[str, object] = {
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": spec.dtype,
+        "full_attention_interval": spec.full_attention_interval,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "layer_types": spec.layer_types,
+        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "mrope_section": list(spec.mrope_section),
+            "mrope_interleaved": True,
+            "partial_rotary_factor": spec.partial_rotary_factor,
+        },
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+    vision = {
+        "model_type": "qwen3_5_vision",
+        "depth": spec.vision_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": spec.vision_hidden_size,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "num_position_embeddings": spec.num_position_embeddings,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "dtype": spec.dtype,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "text_config": text,
+        "vision_config": vision,
+    }
+
+
+def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights under the published names. Decays are kept slow (A in 0.01..0.2) so the recurrent
+    state carries far along a prompt: a state lost between chunks changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
+        return mean + std * torch.randn(n, generator=g)
+
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
+    conv_dim, hv = 2 * key_dim + value_dim, spec.linear_num_value_heads
+    lm = "model.language_model."
+    w: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    for layer, kind in enumerate(spec.layer_types):
+        p = f"{lm}layers.{layer}."
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            w |= {
+                a + "in_proj_qkv.weight": linear(conv_dim, h),
+                a + "in_proj_z.weight": linear(value_dim, h),
+                a + "in_proj_b.weight": linear(hv, h),
+                a + "in_proj_a.weight": linear(hv, h),
+                a + "conv1d.weight": torch.randn(conv_dim, 1, spec.linear_conv_kernel_dim, generator=g) * 0.5,
+                a + "dt_bias": vec(hv, 1.0, 0.1),
+                a + "A_log": (0.01 + 0.19 * torch.rand(hv, generator=g)).log(),
+                a + "norm.weight": vec(spec.linear_value_head_dim, 1.0, 0.1),
+                a + "out_proj.weight": linear(h, value_dim),
+            }
+        else:
+            w |= {
+                p + "self_attn.q_proj.weight": linear(2 * q, h),
+                p + "self_attn.k_proj.weight": linear(kv, h),
+                p + "self_attn.v_proj.weight": linear(kv, h),
+                p + "self_attn.o_proj.weight": linear(h, q),
+                p + "self_attn.q_norm.weight": vec(d, 0.0, 0.1),
+                p + "self_attn.k_norm.weight": vec(d, 0.0, 0.1),
+            }
+        w |= {
+            p + "input_layernorm.weight": vec(h, 0.0, 0.1),
+            p + "post_attention_layernorm.weight": vec(h, 0.0, 0.1),
+            p + "mlp.gate_proj.weight": linear(i, h),
+            p + "mlp.up_proj.weight": linear(i, h),
+            p + "mlp.down_proj.weight": linear(h, i),
+        }
+    w[lm + "norm.weight"] = vec(h, 0.0, 0.1)
+    if not spec.tie_word_embeddings:
+        w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+
+    e, mlp = spec.vision_hidden_size, spec.vision_intermediate_size
+    vis = "model.visual."
+    w |= {
+        vis + "patch_embed.proj.weight": torch.randn(e, 3, 2, 16, 16, generator=g) / (3 * 2 * 16 * 16) ** 0.5,
+        vis + "patch_embed.proj.bias": vec(e, std=0.1),
+        vis + "pos_embed.weight": torch.randn(spec.num_position_embeddings, e, generator=g),
+    }
+    for block in range(spec.vision_depth):
+        p = f"{vis}blocks.{block}."
+        w |= {
+            p + "norm1.weight": vec(e, 1.0, 0.1),
+            p + "norm1.bias": vec(e),
+            p + "norm2.weight": vec(e, 1.0, 0.1),
+            p + "norm2.bias": vec(e),
+            p + "attn.qkv.weight": linear(3 * e, e),
+            p + "attn.qkv.bias": vec(3 * e, std=0.1),
+            p + "attn.proj.weight": linear(e, e),
+            p + "attn.proj.bias": vec(e),
+            p + "mlp.linear_fc1.weight": linear(mlp, e),
+            p + "mlp.linear_fc1.bias": vec(mlp),
+            p + "mlp.linear_fc2.weight": linear(e, mlp),
+            p + "mlp.linear_fc2.bias": vec(e),
+        }
+    merged = 4 * e
+    w |= {
+        vis + "merger.norm.weight": vec(e, 1.0, 0.1),
+        vis + "merger.norm.bias": vec(e),
+        vis + "merger.linear_fc1.weight": linear(merged, merged),
+        vis + "merger.linear_fc1.bias": vec(merged),
+        vis + "merger.linear_fc2.weight": linear(h, merged),
+        vis + "merger.linear_fc2.bias": vec(h),
+    }
+    dtype = getattr(torch, spec.dtype)
+    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+
+
+def write_tiny_qwen3_5(out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1) -> Path:
+    """Write the checkpoint into `out_dir` (created; written atomically)."""
+    return write_checkpoint(
+        out_dir, config_json(spec), random_weights(spec, seed), {"spec": asdict(spec), "seed": seed}, num_shards
+    )

@@ -1,0 +1,140 @@
+"""config.json of Qwen3-VL (Qwen3VLForConditionalGeneration) and Qwen3-VL-MoE
+(Qwen3VLMoeForConditionalGeneration), in the published nested layout: the language model under
+`text_config` (its rotary settings in `rope_parameters`, or `rope_scaling` as the first uploads
+wrote it, with `mrope_section` and `mrope_interleaved`), the vision tower under `vision_config`.
+Defaults are transformers' Qwen3VLConfig / Qwen3VLMoeConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config, require
+
+QWEN3_VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE_ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    # Renormalise the top-k routing weights to sum to 1 (transformers 5 always does).
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the experts (else a dense SwiGLU of intermediate_size)."""
+        return (
+            layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass(frozen=True)
+class Qwen3VLFamilyConfig:
+    """What ModelConfig does not say of a Qwen3-VL (ModelConfig.family_config)."""
+
+    # Vision blocks after which a DeepStack feature is taken; feature k is added to the hidden
+    # states after decoder layer k at the image's placeholders.
+    deepstack_visual_indexes: tuple[int, ...]
+    # Rows of the learned (square) position-embedding grid of the vision tower.
+    num_position_embeddings: int
+    # M-RoPE frequencies interleaved t, h, w, t, h, w, ... (Qwen3-VL) rather than in three sections.
+    mrope_interleaved: bool
+    moe: MoeConfig | None = None
+
+    @property
+    def num_position_grid(self) -> int:
+        return int(self.num_position_embeddings**0.5)
+
+
+def parse_qwen3_vl_config(raw: dict[str, Any]) -> ModelConfig:
+    return _parse(raw, QWEN3_VL_ARCHITECTURE, moe=False)
+
+
+def parse_qwen3_vl_moe_config(raw: dict[str, Any]) -> ModelConfig:
+    return _parse(raw, QWEN3_VL_MOE_ARCHITECTURE, moe=True)
+
+
+def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
+    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    text_raw = {"head_dim": 128, **text_raw} if not moe else text_raw  # Qwen3VLTextConfig's default
+    text = parse_text_config(text_raw, raw)
+    if text.mrope_section is None or len(text.mrope_section) != 3:
+        raise ValueError("config.json: text_config.rope_parameters needs an mrope_section of three numbers")
+    rope = text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {}
+    v = raw.get("vision_config") or {}
+    vision = VisionConfig(
+        depth=int(v.get("depth", 27)),
+        embed_dim=int(v.get("hidden_size", 1152)),
+        num_heads=int(v.get("num_heads", 16)),
+        mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
+        hidden_size=int(v.get("out_hidden_size", text.hidden_size)),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size", 16)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
+        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        intermediate_size=int(v.get("intermediate_size", 4304)),
+    )
+    if vision.hidden_size != text.hidden_size:
+        raise ValueError(
+            f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
+            f"model's hidden_size {text.hidden_size}"
+        )
+    deepstack = tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24)))
+    bad = [i for i in deepstack if not 0 <= i < vision.depth]
+    if bad or len(set(deepstack)) != len(deepstack):
+        raise ValueError(
+            f"config.json: vision_config.deepstack_visual_indexes {list(deepstack)} must name distinct blocks "
+            f"in 0..{vision.depth - 1}"
+        )
+    if len(deepstack) > text.num_hidden_layers:
+        raise ValueError(
+            f"config.json: {len(deepstack)} DeepStack features need as many decoder layers, the model has "
+            f"{text.num_hidden_layers}"
+        )
+    num_positions = int(v.get("num_position_embeddings", 2304))
+    if int(num_positions**0.5) ** 2 != num_positions:
+        raise ValueError(f"config.json: vision_config.num_position_embeddings {num_positions} must be a square")
+    family = Qwen3VLFamilyConfig(
+        deepstack_visual_indexes=deepstack,
+        num_position_embeddings=num_positions,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        moe=_parse_moe(text_raw) if moe else None,
+    )
+    return ModelConfig(
+        model_type=raw["model_type"],
+        architecture=(raw.get("architectures") or [default_architecture])[0],
+        text=text,
+        vision=vision,
+        image_token_id=int(raw.get("image_token_id", 151655)),
+        video_token_id=int(raw.get("video_token_id", 151656)),
+        vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+        checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        family_config=family,
+        mm_embedding_rows=1 + len(deepstack),
+    )
+
+
+def _parse_moe(t: dict[str, Any]) -> MoeConfig:
+    config = MoeConfig(
+        num_experts=int(require(t, "num_experts", "the text config")),
+        num_experts_per_tok=int(require(t, "num_experts_per_tok", "the text config")),
+        moe_intermediate_size=int(require(t, "moe_intermediate_size", "the text config")),
+        norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in t.get("mlp_only_layers") or ()),
+    )
+    if not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok {config.num_experts_per_tok} must be in 1..num_experts "
+            f"({config.num_experts})"
+        )
+    if config.decoder_sparse_step < 1:
+        raise ValueError(f"config.json: decoder_sparse_step {config.decoder_sparse_step} must be at least 1")
+    return config

@@ -1,0 +1,193 @@
+"""The Qwen3 decoder of Qwen3-VL: grouped-query attention without q/k/v bias whose queries and
+keys are RMS-normalised per head before the rotary embedding, interleaved M-RoPE, and a SwiGLU
+MLP or, in the MoE model, a routed mixture of SwiGLU experts. DeepStack: the vision tower's extra
+features (layer_extras) are added to the hidden states after the first decoder layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.attention import AttentionBackend
+from vlmserve.attention.layer import PagedAttention
+from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.config import TextConfig
+from vlmserve.families.qwen3_vl.config import MoeConfig, Qwen3VLFamilyConfig
+from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary
+
+
+def mrope_frequency_streams(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Which position stream (0 t, 1 h, 2 w) each of the head_dim / 2 rotary frequencies follows.
+
+    Interleaved (Qwen3-VL), mrope_section (t, h, w) = (24, 20, 20): frequencies 0, 3, 6, ... follow
+    t, 1, 4, ..., 58 follow h, 2, 5, ..., 59 follow w, and 60..63 (past 3 * 20) follow t again:
+    t h w t h w ... t h w t t t t. Sectioned (Qwen2-VL): the first 24 follow t, the next 20 h,
+    the last 20 w."""
+    t, h, w = mrope_section
+    # NOTE: on the CPU explicitly: the model is built under torch.device("meta").
+    if not interleaved:
+        return torch.cat([torch.full((n,), s, device="cpu") for s, n in enumerate(mrope_section)])
+    streams = torch.zeros(t + h + w, dtype=torch.long, device="cpu")
+    streams[1 : 3 * h : 3] = 1
+    streams[2 : 3 * w : 3] = 2
+    return streams
+
+
+class InterleavedMRotary:
+    """cos/sin [num_tokens, head_dim] of M-RoPE with each frequency following the stream
+    mrope_frequency_streams gives it; both halves of the head use the same angles."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...], interleaved: bool) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+        self.streams = mrope_frequency_streams(mrope_section, interleaved)
+        assert self.streams.numel() == head_dim // 2, "mrope_section sums to head_dim / 2 (checked when parsed)"
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, num_tokens] -> cos, sin [num_tokens, head_dim] in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # [3, num_tokens, head_dim / 2]
+        streams = self.streams.to(positions.device)
+        freqs = freqs.gather(0, streams.expand(1, freqs.shape[1], -1)).squeeze(0)  # [num_tokens, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v fused into one matmul (no bias); loaded from q_proj / k_proj / v_proj.
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"the Qwen3 MLP expects hidden_act 'silu', config has {hidden_act!r}")
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3MoeExperts(nn.Module):
+    """num_experts SwiGLU experts as two stacked weights (as published: fused gate/up and down,
+    stored here in the [out, in] orientation of a Linear), run grouped by expert: the tokens are
+    sorted by the expert they go to, and each expert that has any runs once on its rows."""
+
+    def __init__(self, config: TextConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        e, i, h = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        # What `vlmserve inspect` reads to count the parameters a token uses.
+        self.num_experts, self.num_experts_per_tok = e, moe.num_experts_per_tok
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [expert, gate | up, hidden]
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [expert, hidden, intermediate]
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden]; expert_ids, weights [n, top_k] -> [n, hidden]: sum over each token's
+        experts of weight * expert(x)."""
+        top_k = expert_ids.shape[1]
+        flat = expert_ids.flatten()  # [n * top_k]
+        order = flat.argsort(stable=True)
+        token_of = order // top_k  # the token each sorted slot belongs to
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one host sync per layer
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            rows = token_of[start : start + count]
+            h = F.linear(x[rows], self.gate_up_proj[expert])
+            gate, up = h.chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, rows, h * weights.flatten()[slots, None])
+            start += count
+        return out
+
+
+class Qwen3MoeBlock(nn.Module):
+    """The router (softmax over experts in float32, the top_k, renormalised to sum to 1 when
+    norm_topk_prob) and the experts."""
+
+    def __init__(self, config: TextConfig, moe: MoeConfig) -> None:
+        super().__init__()
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = Qwen3MoeExperts(config, moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)  # [n, num_experts]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [n, top_k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, expert_ids, weights.to(logits.dtype))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, moe: MoeConfig | None, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, backend)
+        self.mlp: nn.Module = (
+            Qwen3MoeBlock(config, moe)
+            if moe is not None and moe.is_sparse(layer)
+            else Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: TextConfig, family: Qwen3VLFamilyConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, family.moe, i, backend) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        assert config.mrope_section is not None
+        self.rotary = InterleavedMRotary(
+            config.head_dim, config.rope_theta, config.mrope_section, family.mrope_interleaved
+        )
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        layer_extras: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [num_tokens, hidden]; positions [3, num_tokens]; layer_extras
+        [k, num_tokens, hidden] added after layers 0..k-1 -> [num_tokens, hidden]."""
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta)
+            if layer_extras is not None and i < layer_extras.shape[0]:
+                h = h + layer_extras[i]  # zero rows at text tokens: x + 0 is x exactly
+        return self.norm(h)

@@ -1,0 +1,429 @@
+"""Write tiny random-weight Qwen3-VL and Qwen3-VL-MoE checkpoints in the published Hugging Face
+layout: nested config.json (text_config with rope_parameters holding mrope_section and
+mrope_interleaved, vision_config with deepstack_visual_indexes), generation_config.json,
+preprocessor_config.json and video_preprocessor_config.json (16-pixel patches, mean and std 0.5),
+the real Qwen vocabulary with Qwen3-VL's added tokens, the published chat template, and
+safetensors weights under the published names (MoE experts fused as experts.gate_up_proj
+[expert, hidden, 2 * moe_intermediate] and experts.down_proj [expert, moe_intermediate, hidden])."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vlmserve.model_files import VOCAB_SIZE, save_weights
+from vlmserve.tools.tiktoken_to_hf import write_tokenizer_files
+
+# The chat template Qwen3-VL-*-Instruct publish (chat_template.json): no default system prompt;
+# tools in a <tools> block; images and videos as <|vision_start|><|image_pad|>/<|video_pad|><|vision_end|>.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0].role == 'system' %}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n        {{- '\\n\\n' }}\n"
+    "    {%- endif %}\n"
+    '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '
+    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+    '<args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    "{%- else %}\n    {%- if messages[0].role == 'system' %}\n        {{- '<|im_start|>system\\n' }}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+    "{%- set image_count = namespace(value=0) %}\n{%- set video_count = namespace(value=0) %}\n"
+    '{%- for message in messages %}\n    {%- if message.role == "user" %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n            {%- for content_item in message.content %}\n"
+    "                {%- if 'text' in content_item %}\n                    {{- content_item.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {%- if message.tool_calls %}\n            {%- for tool_call in message.tool_calls %}\n"
+    "                {%- if (loop.first and message.content) or (not loop.first) %}\n"
+    "                    {{- '\\n' }}\n                {%- endif %}\n"
+    "                {%- if tool_call.function %}\n                    {%- set tool_call = tool_call.function %}\n"
+    '                {%- endif %}\n                {{- \'<tool_call>\\n{"name": "\' }}\n'
+    '                {{- tool_call.name }}\n                {{- \'", "arguments": \' }}\n'
+    "                {%- if tool_call.arguments is string %}\n                    {{- tool_call.arguments }}\n"
+    "                {%- else %}\n                    {{- tool_call.arguments | tojson }}\n"
+    "                {%- endif %}\n                {{- '}\\n</tool_call>' }}\n            {%- endfor %}\n"
+    "        {%- endif %}\n        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n"
+    '        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {%- if message.content is string %}\n            {{- message.content }}\n        {%- else %}\n"
+    "            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+# Ids 151643.. as in the published Qwen3-VL tokenizer: (content, special).
+QWEN3_VL_ADDED_TOKENS = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+FIRST_ADDED_ID = 151643
+
+ARCHES = ("qwen3_vl", "qwen3_vl_moe")
+_ARCHITECTURE = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "qwen3_vl"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    # Sums to head_dim / 2; interleaved: t h w t h w t t (section-wise it would be t t t t h h w w).
+    mrope_section: tuple[int, int, int] = (4, 2, 2)
+    vision_depth: int = 3
+    vision_hidden_size: int = 32
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64
+    # Features after blocks 0 and 1 go to decoder layers 0 and 1; the merger reads block 2.
+    deepstack_visual_indexes: tuple[int, ...] = (0, 1)
+    # An 8 x 8 learned grid: every image of more than 8 patches a side is interpolated.
+    num_position_embeddings: int = 64
+    tie_word_embeddings: bool = True
+    dtype: str = "bfloat16"
+    # MoE (arch "qwen3_vl_moe"): 2 * moe_intermediate_size differs from hidden_size, so an expert
+    # matrix loaded the wrong way round fails on its shape.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 24
+    mlp_only_layers: tuple[int, ...] = (1,)
+
+
+MOE_SPEC = TinySpec(arch="qwen3_vl_moe", tie_word_embeddings=False)
+# The benchmark checkpoint: Qwen3-VL-2B's language-model width (hidden 2048, MLP 6144, 16 query /
+# 8 KV heads of 128, the full vocabulary) with 4 of its 28 layers, and a narrow 4-block tower.
+BENCH_SPEC = TinySpec(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    mrope_section=(24, 20, 20),
+    vision_depth=4,
+    vision_hidden_size=256,
+    vision_num_heads=4,
+    vision_intermediate_size=1024,
+    deepstack_visual_indexes=(1, 2),
+    num_position_embeddings=2304,
+)
+PRESETS = {
+    ("qwen3_vl", "tiny"): TinySpec(),
+    ("qwen3_vl", "bench"): BENCH_SPEC,
+    ("qwen3_vl_moe", "tiny"): MOE_SPEC,
+}
+
+
+def config_json(spec: TinySpec) -> dict[str, object]:
+    if spec.arch not in ARCHES:
+        raise ValueError(f"unknown arch {spec.arch!r}; choose one of {ARCHES}")
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": list(spec.mrope_section),
+        "mrope_interleaved": True,
+    }
+    text: dict[str, object] = {
+        "model_type": f"{spec.arch}_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": spec.dtype,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": rope,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+    if spec.arch == "qwen3_vl_moe":
+        text |= {
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(spec.mlp_only_layers),
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+        }
+    vision = {
+        "model_type": f"{spec.arch}_vision",
+        "deepstack_visual_indexes": list(spec.deepstack_visual_indexes),
+        "depth": spec.vision_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": spec.vision_hidden_size,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "num_position_embeddings": spec.num_position_embeddings,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return {
+        "architectures": [_ARCHITECTURE[spec.arch]],
+        "model_type": spec.arch,
+        "dtype": spec.dtype,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "text_config": text,
+        "vision_config": vision,
+    }
+
+
+def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights under the published names. Scales keep activations near unit size so every part
+    (the DeepStack features and the router included) visibly moves the output."""
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
+        return mean + std * torch.randn(n, generator=g)
+
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    lm = "model.language_model."
+    w: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    for layer in range(spec.num_hidden_layers):
+        p = f"{lm}layers.{layer}."
+        w |= {
+            p + "self_attn.q_proj.weight": linear(q, h),
+            p + "self_attn.k_proj.weight": linear(kv, h),
+            p + "self_attn.v_proj.weight": linear(kv, h),
+            p + "self_attn.o_proj.weight": linear(h, q),
+            p + "self_attn.q_norm.weight": vec(d, 1.0, 0.1),
+            p + "self_attn.k_norm.weight": vec(d, 1.0, 0.1),
+            p + "input_layernorm.weight": vec(h, 1.0, 0.1),
+            p + "post_attention_layernorm.weight": vec(h, 1.0, 0.1),
+        }
+        if spec.arch == "qwen3_vl_moe" and layer not in spec.mlp_only_layers:
+            e, mi = spec.num_experts, spec.moe_intermediate_size
+            w |= {
+                p + "mlp.gate.weight": linear(e, h) * 4,  # routing far from uniform
+                p + "mlp.experts.gate_up_proj": torch.randn(e, h, 2 * mi, generator=g) / h**0.5,
+                p + "mlp.experts.down_proj": torch.randn(e, mi, h, generator=g) / mi**0.5,
+            }
+        else:
+            w |= {
+                p + "mlp.gate_proj.weight": linear(i, h),
+                p + "mlp.up_proj.weight": linear(i, h),
+                p + "mlp.down_proj.weight": linear(h, i),
+            }
+    w[lm + "norm.weight"] = vec(h, 1.0, 0.1)
+    if not spec.tie_word_embeddings:
+        w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+
+    e, mlp = spec.vision_hidden_size, spec.vision_intermediate_size
+    vis = "model.visual."
+    w |= {
+        vis + "patch_embed.proj.weight": torch.randn(e, 3, 2, 16, 16, generator=g) / (3 * 2 * 16 * 16) ** 0.5,
+        vis + "patch_embed.proj.bias": vec(e, std=0.1),
+        vis + "pos_embed.weight": torch.randn(spec.num_position_embeddings, e, generator=g),
+    }
+    for block in range(spec.vision_depth):
+        p = f"{vis}blocks.{block}."
+        w |= {
+            p + "norm1.weight": vec(e, 1.0, 0.1),
+            p + "norm1.bias": vec(e),
+            p + "norm2.weight": vec(e, 1.0, 0.1),
+            p + "norm2.bias": vec(e),
+            p + "attn.qkv.weight": linear(3 * e, e),
+            p + "attn.qkv.bias": vec(3 * e, std=0.1),
+            p + "attn.proj.weight": linear(e, e),
+            p + "attn.proj.bias": vec(e),
+            p + "mlp.linear_fc1.weight": linear(mlp, e),
+            p + "mlp.linear_fc1.bias": vec(mlp),
+            p + "mlp.linear_fc2.weight": linear(e, mlp),
+            p + "mlp.linear_fc2.bias": vec(e),
+        }
+    merged = 4 * e
+    mergers = ["merger."] + [f"deepstack_merger_list.{k}." for k in range(len(spec.deepstack_visual_indexes))]
+    for p in mergers:
+        norm = e if p == "merger." else merged  # the DeepStack mergers normalise after the 2x2 concatenation
+        w |= {
+            vis + p + "norm.weight": vec(norm, 1.0, 0.1),
+            vis + p + "norm.bias": vec(norm),
+            vis + p + "linear_fc1.weight": linear(merged, merged),
+            vis + p + "linear_fc1.bias": vec(merged),
+            vis + p + "linear_fc2.weight": linear(h, merged),
+            vis + p + "linear_fc2.bias": vec(h),
+        }
+    dtype = getattr(torch, spec.dtype)
+    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+
+
+def _tokenizer_config() -> dict[str, object]:
+    added = {
+        str(FIRST_ADDED_ID + k): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
+        for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)
+    }
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [tok for tok, special in QWEN3_VL_ADDED_TOKENS[1:14]],
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def _preprocessor(kind: str, shortest: int, longest: int) -> dict[str, object]:
+    return {
+        "size": {"longest_edge": longest, "shortest_edge": shortest},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+        kind: "Qwen2VLImageProcessorFast" if kind == "image_processor_type" else "Qwen3VLVideoProcessor",
+    }
+
+
+def write_tiny_qwen3_vl(
+    out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1
+) -> Path:
+    """Write the checkpoint into `out_dir` (created; written atomically)."""
+    return write_checkpoint(
+        out_dir, config_json(spec), random_weights(spec, seed), {"spec": asdict(spec), "seed": seed}, num_shards
+    )
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict[str, object],
+    weights: dict[str, torch.Tensor],
+    tiny_info: dict[str, object],
+    num_shards: int = 1,
+) -> Path:
+    """A checkpoint of Qwen3-VL's files (tokenizer, chat template, processor configs) around the
+    given config.json and weights, written atomically into `out_dir`; Qwen3.5's tiny writer
+    uses it too."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    try:
+        files = {
+            "config.json": config,
+            "generation_config.json": {
+                "bos_token_id": 151643,
+                "pad_token_id": 151643,
+                "do_sample": True,
+                "eos_token_id": [151645, 151643],
+                "top_k": 20,
+                "top_p": 0.8,
+                "repetition_penalty": 1.0,
+                "temperature": 0.7,
+            },
+            "preprocessor_config.json": _preprocessor("image_processor_type", 65536, 16777216),
+            "video_preprocessor_config.json": _preprocessor("video_processor_type", 4096, 25165824),
+            "tokenizer_config.json": _tokenizer_config(),
+            "chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE},
+        }
+        for name, content in files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        added = [(FIRST_ADDED_ID + k, tok, special) for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)]
+        write_tokenizer_files(tmp, added)
+        save_weights(weights, tmp, num_shards)
+        (tmp / "vlmserve_tiny.json").write_text(json.dumps(tiny_info) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
