@@ -143,13 +143,14 @@ def _poison_sampler(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
     real = core.runner.sampler
     calls = [0]
 
-    def sampler(logits, params, generators):  # type: ignore[no-untyped-def]
+    def sampler(logits, params, generators, histories=None):  # type: ignore[no-untyped-def]
         poisoned = [i for i, p in enumerate(params) if p.seed == POISON_SEED]
         calls[0] += bool(poisoned)
         if poisoned and calls[0] >= 3:
-            real(logits[: poisoned[0]], params[: poisoned[0]], generators[: poisoned[0]])
+            before = None if histories is None else histories[: poisoned[0]]
+            real(logits[: poisoned[0]], params[: poisoned[0]], generators[: poisoned[0]], before)
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, generators)
+        return real(logits, params, generators, histories)
 
     monkeypatch.setattr(core.runner, "sampler", sampler)
 
