@@ -212,7 +212,7 @@ def test_serve_logs_one_banner_weight_progress_and_throughput_lines(tiny_dir: Pa
         assert len(re.findall(r"  KV cache  ", log)) == 1 and len(re.findall(r"budget [\d.]+ GiB; weights", log)) == 1
         assert re.search(r"loading weights: 0/\d+ tensors", log) and "tensors (100%)" in log, log
 
-        reply = server.post("/v1/completions", {"model": tiny_dir.name, "prompt": "hi", "max_tokens": 16})
+        reply = server.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 16})
         assert reply.status_code == 200, reply.text
         deadline = time.monotonic() + 60
         rates: list[float] = []
