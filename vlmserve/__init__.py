@@ -3,6 +3,6 @@
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.version import __version__
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -190,6 +190,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none), or a folder",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--root-path", default="", help="the prefix a path-routing proxy serves the API under (ASGI root_path)"
+    )
 
 
 def _networks(specs: list[str]) -> tuple[tuple[Any, int | None], ...]:
@@ -245,7 +248,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     ctx = ServingContext(
         frontend=frontend,
         client=client,
-        metrics=Metrics(),
+        metrics=Metrics(names[0], frontend.max_model_len),
         fetch_policy=FetchPolicy(
             allowed_domains=tuple(args.allowed_media_domains),
             allowed_networks=_networks(args.allow_media_network),
@@ -255,6 +258,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         model_name=names[0],
         max_n=args.max_n,
         served_model_names=names,
+        model_root=args.model,
     )
     app, asgi = build_app(
         ctx,
@@ -342,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
             backlog=backlog,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
+            root_path=args.root_path,
         ),
         app,
     )
