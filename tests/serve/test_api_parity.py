@@ -18,13 +18,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import Server, data_url, image_message, picture, start_server
-from vlmserve.serve.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from vlmserve.serve.protocol import UNSUPPORTED_FIELDS
 from vlmserve.version import __version__
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Say something."}]
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+# vLLM's buckets, as vllm/v1/metrics/loggers.py writes them.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TTFT_BUCKETS += [20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+ITL_BUCKETS += [20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0]
+LATENCY_BUCKETS += [480.0, 960.0, 1920.0, 7680.0]
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +261,9 @@ def _buckets(scrape: dict, name: str) -> list[float]:
 
 def test_metrics_under_vllm_s_names_move_as_requests_run(server: Server) -> None:
     before = _scrape(server)
-    assert _buckets(before, "vllm:time_to_first_token_seconds") == list(TTFT_BUCKETS)
-    assert _buckets(before, "vllm:inter_token_latency_seconds") == list(ITL_BUCKETS)
-    assert _buckets(before, "vllm:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS)
+    assert _buckets(before, "vllm:time_to_first_token_seconds") == TTFT_BUCKETS
+    assert _buckets(before, "vllm:inter_token_latency_seconds") == ITL_BUCKETS
+    assert _buckets(before, "vllm:e2e_request_latency_seconds") == LATENCY_BUCKETS
     reply = server.post(CHAT, body_for(CHAT)).json()
     after = _scrape(server)
     usage = reply["usage"]
