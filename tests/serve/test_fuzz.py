@@ -193,7 +193,7 @@ schemathesis.openapi.format("uri", st.sampled_from(_media()))
 def answered_well(response: httpx.Response | schemathesis.Response, body: object) -> None:
     """Never a 5xx; a 4xx is OpenAI's error shape with a message, not typed as the server's fault;
     a 200 is a completion, or a stream of chunks (an error event in OpenAI's shape at most) ending
-    in [DONE]."""
+    in [DONE] (or, from vLLM's extra endpoints, their answers: tokens, a text, a status)."""
     status = response.status_code
     assert status < 500, (body, response.text[:2000])
     if status >= 400:
@@ -214,6 +214,11 @@ def answered_well(response: httpx.Response | schemathesis.Response, body: object
                 assert isinstance(event["choices"], list), (body, event)
         return
     answer = response.json()
+    if "tokens" in answer:  # /tokenize
+        assert answer["count"] == len(answer["tokens"]), (body, answer)
+        return
+    if set(answer) in ({"prompt"}, {"status"}):  # /detokenize, /ping
+        return
     assert answer["object"] in ("chat.completion", "text_completion"), (body, answer)
     assert answer["choices"] and all(c["finish_reason"] in ("stop", "length") for c in answer["choices"]), answer
     assert answer["usage"]["completion_tokens"] >= len(answer["choices"]), answer

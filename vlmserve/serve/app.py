@@ -1,6 +1,9 @@
 """The FastAPI application of the API process.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+and vLLM's: POST /tokenize, POST /detokenize, POST /invocations (SageMaker's: a chat or a
+completions body, told apart by its shape), GET|POST /ping, GET /version, GET /load. Paths are
+matched below the ASGI root_path (`--root-path`, for a proxy that serves the API under a prefix).
 Every error is answered in OpenAI's shape without tracebacks, addresses or paths. Pure-ASGI
 layers in front of the app, outermost first:
   - size caps: 431 for too many or too large headers; 413 for a declared body over the limit;
@@ -19,24 +22,45 @@ import asyncio
 import hmac
 import json
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.serve.prompts import PromptBuilder
-from vlmserve.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from vlmserve.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from vlmserve.serve.serving import ServingContext
 from vlmserve.serve.serving_chat import ChatServing
 from vlmserve.serve.serving_completion import CompletionServing
+from vlmserve.version import __version__
 
 logger = logging.getLogger("vlmserve.api")
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
+# POST paths that run engine requests: admitted (queue limit, draining, engine down) like /v1/.
+ADMITTED_PATHS = ("/invocations",)
 Scope = MutableMapping[str, Any]
+T = TypeVar("T", bound=BaseModel)
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def route_path(scope: Scope) -> str:
+    """The path below the app's root_path (uvicorn puts `--root-path` in front of every path)."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 async def _send_error(send: Callable[[Any], Awaitable[None]], error: APIError, *, close: bool = False) -> None:
@@ -127,7 +151,7 @@ def api_key_auth(app: ASGIApp, api_key: str | None) -> ASGIApp:
     async def middleware(
         scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
     ) -> None:
-        if expected is None or scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+        if expected is None or scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await app(scope, receive, send)
         given = [value for name, value in scope.get("headers", []) if name == b"authorization"]
         if len(given) > 1:
@@ -143,8 +167,10 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
     async def middleware(
         scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
     ) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path in OPEN_PATHS or not path.startswith("/v1/") or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        path = route_path(scope)
+        if path in OPEN_PATHS or not (path.startswith("/v1/") or path in ADMITTED_PATHS):
             return await app(scope, receive, send)
         if state.draining:
             return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
@@ -160,6 +186,32 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
             state.in_flight -= 1
 
     return middleware
+
+
+def _validated(model: type[T], raw: dict[str, Any]) -> T:
+    """`raw` as `model`, a validation error answered as the routes' (400 naming the field)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _permission(name: str, created: int) -> dict[str, Any]:
+    """vLLM's model permission entry (the same for every model: sampling and logprobs allowed)."""
+    return {
+        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 class ClientDisconnected(Exception):
@@ -191,10 +243,11 @@ def build_app(
     read_timeout_s: float = 30.0,
 ) -> tuple[FastAPI, ASGIApp]:
     """The FastAPI app and the ASGI app to serve (the app behind its middleware)."""
-    app = FastAPI(title="vlmserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="vlmserve", version=__version__, docs_url=None, redoc_url=None)
     prompt_builder = PromptBuilder(ctx)
     chat_serving = ChatServing(ctx)
     completion_serving = CompletionServing(ctx)
+    created = int(time.time())
     app.state.client = ctx.client
     app.state.draining = False
     app.state.in_flight = 0
@@ -247,36 +300,97 @@ def build_app(
         ctx.metrics.update_engine(ctx.client.stats, ctx.client.engine.restarts)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()  # SageMaker's health check: vLLM answers it as /health
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return {"server_load": app.state.in_flight}  # vLLM's: requests being served
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "owned_by": "vlmserve", "max_model_len": ctx.frontend.max_model_len}
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vlmserve",
+                    "root": ctx.model_root or name,
+                    "parent": None,
+                    "max_model_len": ctx.frontend.max_model_len,
+                    "permission": [_permission(name, created)],
+                }
                 for name in ctx.served_model_names or (ctx.model_name,)
             ],
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def run_chat(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
             return StreamingResponse(chat_serving.stream(body, prompt, params), media_type="text/event-stream")
-        return JSONResponse(await _until_disconnected(request, chat_serving.response(prompt, params)))
+        return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params)))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def run_completions(body: CompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(
-                completion_serving.stream(
-                    prompts, params, include_usage=bool(body.stream_options and body.stream_options.include_usage)
-                ),
-                media_type="text/event-stream",
-            )
-        return JSONResponse(await _until_disconnected(request, completion_serving.response(prompts, params)))
+            return StreamingResponse(completion_serving.stream(body, prompts, params), media_type="text/event-stream")
+        return JSONResponse(await _until_disconnected(request, completion_serving.response(body, prompts, params)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await run_chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await run_completions(body, request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one inference route, as vLLM serves it: `messages` makes a chat request,
+        `prompt` a completions one."""
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if isinstance(raw, dict) and "messages" in raw:
+            return await run_chat(_validated(ChatCompletionRequest, raw), request)
+        if isinstance(raw, dict) and "prompt" in raw:
+            return await run_completions(_validated(CompletionRequest, raw), request)
+        raise APIError(400, "cannot tell the request type: give `messages` (chat) or `prompt` (completions)")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest, request: Request) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            rendering = prompt_builder.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            prompt = await _until_disconnected(request, rendering)
+            tokens = list(prompt.prompt_token_ids)
+        else:
+            tokens = await prompt_builder.encode(body.prompt)
+        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": ctx.frontend.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            backend = ctx.frontend.tokenizer.backend
+            answer["token_strs"] = [backend.id_to_token(t) for t in tokens]
+        return answer
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        vocab = ctx.frontend.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        for i, token in enumerate(body.tokens):
+            if token >= vocab:
+                raise APIError(400, f"tokens[{i}] = {token} is not a token id (the vocabulary has {vocab})", "tokens")
+        text = await asyncio.to_thread(ctx.frontend.tokenizer.decode, body.tokens, False)
+        return {"prompt": text}
 
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]
     asgi = read_body(asgi, max_body_bytes, read_timeout_s)

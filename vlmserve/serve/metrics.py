@@ -1,15 +1,60 @@
 """Prometheus metrics of the server (GET /metrics): its own counters, and the engine's numbers
-as of its latest stats message (sent every 0.5 s; all zero while no engine runs)."""
+as of its latest stats message (sent every 0.5 s; all zero while no engine runs).
+
+Each number is published twice: under vlmserve's names, and under the names `vllm serve`
+publishes (`vllm:*`, labelled model_name and engine, with vLLM's histogram buckets), so that
+dashboards and alerts built for vLLM read vlmserve unchanged. Request timings are taken in the
+API process, from the moment a request's processed prompt goes to the engine."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vlmserve.serve.messages import Stats
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that quantiles read the same on both.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class _EngineTotal:
+    """A vLLM counter fed from an engine total (which restarts at 0 with a new engine process):
+    it grows by each increase, and by the whole new total after a restart."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.last = 0
+
+    def update(self, total: int) -> None:
+        self.counter.inc(total - self.last if total >= self.last else total)
+        self.last = total
+
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("vlmserve_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -28,6 +73,7 @@ class Metrics:
         self.encoder_misses = Gauge("vlmserve_encoder_cache_misses", "Images encoded", registry=r)
         self.preemptions = Gauge("vlmserve_preemptions", "Requests preempted since the engine started", registry=r)
         self.engine_restarts = Gauge("vlmserve_engine_restarts", "Times the engine process was restarted", registry=r)
+        self.vllm = VllmMetrics(r, model_name, max_model_len)
 
     def update_engine(self, stats: Stats | None, restarts: int) -> None:
         self.engine_restarts.set(restarts)
@@ -41,6 +87,72 @@ class Metrics:
         self.encoder_hits.set(stats.encoder_cache_hits)
         self.encoder_misses.set(stats.encoder_cache_misses)
         self.preemptions.set(stats.preemptions)
+        self.vllm.update_engine(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """The series `vllm serve` publishes, under its names, labels and buckets."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+        labels = ["model_name", "engine"]
+        values = (model_name, "0")
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = _EngineTotal(
+            counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        )
+        self.prefix_hits = _EngineTotal(
+            counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        )
+        self.preemptions = _EngineTotal(
+            counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+    def update_engine(self, stats: Stats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.update(stats.prefix_cache_queries)
+        self.prefix_hits.update(stats.prefix_cache_hits)
+        self.preemptions.update(stats.preemptions)

@@ -211,6 +211,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds between the engine's throughput lines while it has work (0: none)",
     )
+    p.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a path-routing proxy serves the API under (ASGI root_path; default: none)",
+    )
     p.add_argument("--log-level", type=str.lower, default="info", choices=LOG_LEVELS, help="log level")
 
 

@@ -69,25 +69,41 @@ class PromptBuilder:
         )
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[ProcessedPrompt, SamplingParams]:
-        _walk_text(body.messages, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         params = self._resolve(
             body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
         )
-        self._check_last_message_length(body.messages)
+        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return prompt, params
+
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> ProcessedPrompt:
+        """Messages rendered, their media fetched, and processed: the prompt the engine gets."""
+        _walk_text(messages, "messages")
+        self._check_last_message_length(messages)
         # Rendering tokenizes too (Qwen-VL-Chat's chat format): off the event loop.
         chat = await self._in_thread(
             "messages",
             self.frontend.render_chat,
-            body.messages,
-            body.add_generation_prompt,
-            chat_template_kwargs=body.chat_template_kwargs,
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
         )
         if isinstance(chat.prompt, str):
             self._check_length(chat.prompt, "messages")
         images, videos = await self._fetch_media(chat.images, chat.videos)
-        return await self._process(chat.prompt, images, "messages", videos), params
+        return await self._process(chat.prompt, images, "messages", videos)
+
+    async def encode(self, text: str) -> list[int]:
+        """A text's token ids as the tokenizer gives them (/tokenize), checked as a prompt is."""
+        check_text(text, "prompt")
+        self._check_length(text, "prompt")
+        return await self._in_thread("prompt", self.frontend.tokenizer.encode, text)
 
     async def completion(self, body: CompletionRequest) -> tuple[list[ProcessedPrompt], SamplingParams]:
         params = self._resolve(

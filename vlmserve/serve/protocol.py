@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
 from vlmserve.processor.chat import ROLES, SIZING_KEYS
@@ -16,6 +17,8 @@ MAX_STOP_LENGTH = 512
 MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries
 LOGIT_BIAS_LIMIT = 100.0  # values are clamped to +-this, as OpenAI's API and vLLM do
+
+logger = logging.getLogger("vlmserve.api")
 
 
 class APIError(Exception):
@@ -121,12 +124,94 @@ MESSAGE_SCHEMA: dict[str, Any] = {
 }
 
 
+# Fields of vLLM's request schemas that vlmserve does not implement: a request that sets one to
+# anything but the value meaning "off" is refused with a 400 naming it, never run as if it had
+# not been sent. Each maps to (the values meaning "off", why). The fields of structured outputs,
+# tools and reasoning are not here: their own change implements them.
+_OFF = (None,)
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "length_penalty": ((None, 1, 1.0), "it only applies to beam search, which is not implemented"),
+    "prompt_logprobs": (_OFF, "prompt logprobs are not computed"),
+    "allowed_token_ids": (_OFF, "token allow-lists are not implemented (logit_bias can mask tokens)"),
+    "truncate_prompt_tokens": (_OFF, "prompts are never truncated: a prompt over max_model_len is refused"),
+    "truncation_side": (_OFF, "prompts are never truncated"),
+    "return_tokens_as_token_ids": ((None, False), "logprob tokens are returned as text only"),
+    "prompt_embeds": (_OFF, "prompt embeddings as input are not supported"),
+    "logits_processors": (_OFF, "custom logits processors are not loaded"),
+    "cache_salt": (_OFF, "the prefix cache has no per-request salt"),
+    "kv_transfer_params": (_OFF, "there is no disaggregated prefill"),
+    "vllm_xargs": (_OFF, "there are no custom extensions"),
+    "repetition_detection": (_OFF, "repetition detection is not implemented"),
+    "priority": ((None, 0), "requests are scheduled first come, first served"),
+    "mm_processor_kwargs": ((None, {}), "give image sizing in each content part (min_pixels, max_pixels...)"),
+    "media_io_kwargs": ((None, {}), "give video options in each content part (fps, nframes...)"),
+    "chat_template": (_OFF, "the model's own chat template is always used"),
+    "documents": (_OFF, "documents are not passed to the chat template"),
+    "continue_final_message": (
+        (None, False),
+        "the chat template always closes the last message (prefill is not implemented)",
+    ),
+}
+# Chat only: `echo` (prepending the last message).
+_CHAT_UNSUPPORTED = {"echo": ((None, False), "echoing the last message is not implemented")}
+# Completions only: echo of the prompt, suffix.
+_COMPLETION_UNSUPPORTED = {
+    "echo": ((None, False), "echoing the prompt is not implemented"),
+    "suffix": ((None,), "suffix is not supported (nor by vLLM)"),
+}
+MAX_IGNORED_SHOWN = 10  # unknown field names a warning lists
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    for v in off:
+        if v is None or isinstance(v, bool):
+            if value is v:
+                return True
+        elif isinstance(v, int | float):  # a number, but not a bool (True == 1 in Python)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value == v:
+                return True
+        elif value == v:
+            return True
+    return False
+
+
+def refuse_unsupported(extra: dict[str, Any] | None, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A 400 naming the first field of `table` set to a value other than "off"; every other
+    unknown field is ignored with a warning in the log (as vLLM does)."""
+    ignored = []
+    for name, value in (extra or {}).items():
+        if name in table:
+            off, why = table[name]
+            if not _is_off(value, off):
+                raise APIError(400, f"{name} is not supported by vlmserve: {why}", name, "unsupported_field")
+        else:
+            ignored.append(name[:64])
+    if ignored:
+        logger.warning("fields present in the request but ignored: %s", ignored[:MAX_IGNORED_SHOWN])
+
+
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    # vLLM's default: `stream_options: {}` asks for usage.
+    include_usage: StrictBool = True
+    continuous_usage_stats: StrictBool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, value: bool) -> bool:
+        if value:
+            raise APIError(
+                400,
+                "stream_options.continuous_usage_stats is not supported by vlmserve: usage comes in the last chunk",
+                "stream_options.continuous_usage_stats",
+                "unsupported_field",
+            )
+        return value
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept aside (model_extra) to be refused or ignored with a warning.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     # Integers the engine keeps as int64, floats it computes with in float32 (sampling_params.py).
@@ -156,6 +241,31 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    # The Qwen tokenizers add no special tokens (no BOS), so either value gives the same ids, as
+    # in vLLM; accepted with vLLM's defaults (chat: false, completions: true).
+    add_special_tokens: StrictBool | None = None
+    # vLLM's: the prompt's token ids and each choice's generated ones in the response.
+    return_token_ids: StrictBool | None = None
+    # Decoding joins special tokens without spaces, as a fast tokenizer does (vLLM's too).
+    spaces_between_special_tokens: StrictBool = True
+    # vLLM's: the response id is built on it (the engine's own id stays unique).
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # n samples are drawn; a best_of other than n would need sampling more and ranking.
+    best_of: int | None = None
+
+    _unsupported: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = UNSUPPORTED_FIELDS
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _SamplingFields:
+        refuse_unsupported(self.model_extra, self._unsupported)
+        # vLLM's rule: a non-empty stream_options needs stream (null and {} pass).
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported by vlmserve: n samples are drawn and all returned", "best_of")
+        if self.request_id is not None:
+            check_text(self.request_id, "request_id")
+        return self
 
     @field_validator("top_p")
     @classmethod
@@ -243,9 +353,61 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
+    _unsupported: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = UNSUPPORTED_FIELDS | _CHAT_UNSUPPORTED
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule
+            raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
+        return self
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    suffix: None = None
+
+    _unsupported: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = UNSUPPORTED_FIELDS | _COMPLETION_UNSUPPORTED
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's POST /tokenize with a prompt: the tokenizer's ids for the text."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True  # Qwen's tokenizers add none either way
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> TokenizeCompletionRequest:
+        refuse_unsupported(self.model_extra, {})
+        return self
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's POST /tokenize with messages: the prompt's ids as the model gets them, each image's
+    placeholder tokens expanded."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": MESSAGE_SCHEMA})
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> TokenizeChatRequest:
+        refuse_unsupported(self.model_extra, UNSUPPORTED_FIELDS)
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(max_length=1 << 20)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> DetokenizeRequest:
+        refuse_unsupported(self.model_extra, {})
+        return self

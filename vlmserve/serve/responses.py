@@ -20,6 +20,12 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def response_id(prefix: str, given: str | None, engine_id: str) -> str:
+    """The id a response shows: built on the request's `request_id` when it gives one (vLLM's
+    field), else the engine request's own id (which stays unique either way)."""
+    return engine_id if given is None else f"{prefix}-{given}"
+
+
 def usage(prompt: ProcessedPrompt, output: RequestOutput) -> dict[str, Any]:
     completion = sum(len(o.token_ids) for o in output.outputs)
     return {
@@ -81,14 +87,20 @@ def chat_logprobs(choice: CompletionOutput, start: int, k: int, tokenizer: AnyTo
     return {"content": content}
 
 
-def completion_logprobs(choice: CompletionOutput) -> dict[str, Any] | None:
-    """Legacy completions' logprobs: the sampled tokens, their logprobs, and each position's
-    alternatives as a {token: logprob} map."""
+def completion_logprobs(choice: CompletionOutput, start: int = 0, text_offset: int = 0) -> dict[str, Any] | None:
+    """Legacy completions' logprobs for tokens [start:]: the sampled tokens, their logprobs, each
+    position's alternatives as a {token: logprob} map, and where each token starts in the choice's
+    text (`text_offset`: the first at `text_offset`, each next one the previous token's length
+    further, as vLLM counts)."""
     if choice.logprobs is None:
         return None
-    tokens, token_logprobs, top = [], [], []
-    for token_id, entry in zip(choice.token_ids, choice.logprobs, strict=True):
-        tokens.append(entry[token_id].decoded_token)
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:], strict=True):
+        token = entry[token_id].decoded_token
+        offsets.append(offset)
+        offset += len(token or "")
+        tokens.append(token)
         token_logprobs.append(entry[token_id].logprob)
         top.append({lp.decoded_token: lp.logprob for lp in entry.values()})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}
+    return {"text_offset": offsets, "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top}

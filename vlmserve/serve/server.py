@@ -98,7 +98,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     ctx = ServingContext(
         frontend=frontend,
         client=client,
-        metrics=Metrics(),
+        metrics=Metrics(names[0], frontend.max_model_len),
         fetch_policy=FetchPolicy(
             allowed_domains=tuple(args.allowed_media_domains),
             allowed_networks=_networks(args.allow_media_network),
@@ -108,6 +108,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         model_name=names[0],
         max_n=args.max_n,
         served_model_names=names,
+        model_root=args.model,
     )
     app, asgi = build_app(
         ctx,
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
             backlog=backlog,
             h11_max_incomplete_event_size=16 * 1024,
             lifespan="on",
+            root_path=args.root_path,
         ),
         app,
     )

@@ -6,6 +6,7 @@ the metrics by outcome, with the engine's refusal (400), its error while computi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class ServingContext:
     max_n: int = 8
     # Every name a request's `model` may give (model_name among them); empty: model_name alone.
     served_model_names: tuple[str, ...] = ()
+    # What /v1/models shows as `root`: the model as the server was given it (vLLM's).
+    model_root: str = ""
 
     def check_model(self, name: str | None) -> None:
         """A request names a served model or none (the served one, as in vLLM); any other name is
@@ -57,16 +60,33 @@ class EngineServing:
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         metrics = self.ctx.metrics
+        vllm = metrics.vllm
         metrics.in_flight.inc()
         outcome = "aborted"
+        start = last = time.monotonic()
+        tokens_seen = 0
         try:
             async with aclosing(self.ctx.client.generate(request_id, prompt, params)) as outputs:
                 async for output in outputs:
+                    now = time.monotonic()
+                    tokens = sum(len(o.token_ids) for o in output.outputs)
+                    if tokens > tokens_seen:
+                        # vLLM's: the first token's wait, then the gap before each later step's tokens.
+                        (vllm.ttft if tokens_seen == 0 else vllm.itl).observe(now - last)
+                        vllm.generation_tokens.inc(tokens - tokens_seen)
+                        tokens_seen, last = tokens, now
                     if output.finished:
                         outcome = "success"
                         metrics.prompt_tokens.inc(len(output.prompt_token_ids))
                         metrics.image_tokens.inc(sum(output.num_image_tokens))
-                        metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+                        metrics.generation_tokens.inc(tokens)
+                        vllm.prompt_tokens.inc(len(output.prompt_token_ids))
+                        vllm.request_prompt_tokens.observe(len(output.prompt_token_ids))
+                        vllm.request_generation_tokens.observe(tokens)
+                        vllm.e2e.observe(now - start)
+                        for o in output.outputs:
+                            if o.finish_reason in vllm.success:
+                                vllm.success[o.finish_reason].inc()
                     yield output
         except RequestRefused as e:
             outcome = "error"

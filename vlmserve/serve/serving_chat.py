@@ -13,17 +13,20 @@ from typing import Any
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.protocol import APIError, ChatCompletionRequest
-from vlmserve.serve.responses import SSE_DONE, chat_logprobs, extension, sse, usage
+from vlmserve.serve.responses import SSE_DONE, chat_logprobs, extension, response_id, sse, usage
 from vlmserve.serve.serving import EngineServing
 
 
 class ChatServing(EngineServing):
-    async def response(self, prompt: ProcessedPrompt, params: SamplingParams) -> dict[str, Any]:
+    async def response(
+        self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams
+    ) -> dict[str, Any]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         final = await self._last(request_id, prompt, params)
         tokenizer = self.ctx.frontend.tokenizer
-        return {
-            "id": request_id,
+        token_ids = bool(body.return_token_ids)
+        response = {
+            "id": response_id("chatcmpl", body.request_id, request_id),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
@@ -35,24 +38,32 @@ class ChatServing(EngineServing):
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
+                | ({"token_ids": list(c.token_ids)} if token_ids else {})
                 for c in final.outputs
             ],
             "usage": usage(prompt, final),
             "vlmserve": extension([prompt], self.grounding_convention),
         }
+        if token_ids:  # vLLM's return_token_ids
+            response["prompt_token_ids"] = list(final.prompt_token_ids)
+        return response
 
     async def stream(
         self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams
     ) -> AsyncIterator[str]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.ctx.model_name}
+        token_ids = bool(body.return_token_ids)
+        shown_id = response_id("chatcmpl", body.request_id, request_id)
+        base = {"id": shown_id, "object": "chat.completion.chunk", "created": created, "model": self.ctx.model_name}
         tokenizer = self.ctx.frontend.tokenizer
         sent_text = [0] * params.n
         sent_tokens = [0] * params.n
         for i in range(params.n):
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            first = {"vlmserve": extension([prompt], self.grounding_convention)} if i == 0 else {}
+            first: dict[str, Any] = {"vlmserve": extension([prompt], self.grounding_convention)} if i == 0 else {}
+            if i == 0 and token_ids:  # vLLM: the prompt's ids ride on the first chunk
+                first["prompt_token_ids"] = list(prompt.prompt_token_ids)
             yield sse(base | {"choices": [role]} | first)
         final = None
         try:
@@ -64,6 +75,7 @@ class ChatServing(EngineServing):
                     if not delta and c.finish_reason is None:
                         continue
                     logprobs = chat_logprobs(c, sent_tokens[c.index], params.logprobs or 0, tokenizer)
+                    new_ids = list(c.token_ids[sent_tokens[c.index] :])
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     choices.append(
                         {
@@ -72,6 +84,7 @@ class ChatServing(EngineServing):
                             "logprobs": logprobs,
                             "finish_reason": c.finish_reason,
                         }
+                        | ({"token_ids": new_ids} if token_ids else {})
                     )
                 if choices:
                     yield sse(base | {"choices": choices})

@@ -15,14 +15,17 @@ from typing import Any
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.protocol import APIError
-from vlmserve.serve.responses import SSE_DONE, completion_logprobs, extension, sse, usage
+from vlmserve.serve.protocol import APIError, CompletionRequest
+from vlmserve.serve.responses import SSE_DONE, completion_logprobs, extension, response_id, sse, usage
 from vlmserve.serve.serving import EngineServing
 
 
 class CompletionServing(EngineServing):
-    async def response(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> dict[str, Any]:
+    async def response(
+        self, body: CompletionRequest, prompts: list[ProcessedPrompt], params: SamplingParams
+    ) -> dict[str, Any]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        token_ids = bool(body.return_token_ids)
         finals = await asyncio.gather(*(self._last(f"{request_id}-{i}", p, params) for i, p in enumerate(prompts)))
         choices = []
         for i, final in enumerate(finals):
@@ -35,9 +38,14 @@ class CompletionServing(EngineServing):
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
+                    | (
+                        {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(c.token_ids)}
+                        if token_ids
+                        else {}
+                    )
                 )
         return {
-            "id": request_id,
+            "id": response_id("cmpl", body.request_id, request_id),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
@@ -47,11 +55,13 @@ class CompletionServing(EngineServing):
         }
 
     async def stream(
-        self, prompts: list[ProcessedPrompt], params: SamplingParams, include_usage: bool = False
+        self, body: CompletionRequest, prompts: list[ProcessedPrompt], params: SamplingParams
     ) -> AsyncIterator[str]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        token_ids = bool(body.return_token_ids)
         base = {
-            "id": request_id,
+            "id": response_id("cmpl", body.request_id, request_id),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
@@ -69,6 +79,7 @@ class CompletionServing(EngineServing):
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
         sent: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}
         finals: dict[int, RequestOutput] = {}
         done = 0
         failed = False
@@ -92,22 +103,19 @@ class CompletionServing(EngineServing):
                     key = (i, c.index)
                     delta = c.text[sent.get(key, 0) :]
                     if delta or c.finish_reason is not None:
-                        sent[key] = len(c.text)
+                        choice = {
+                            "index": i * params.n + c.index,
+                            "text": delta,
+                            "logprobs": completion_logprobs(c, sent_tokens.get(key, 0), sent.get(key, 0)),
+                            "finish_reason": c.finish_reason,
+                        }
+                        if token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then new ids
+                            if key not in sent:
+                                choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                            choice["token_ids"] = list(c.token_ids[sent_tokens.get(key, 0) :])
+                        sent[key], sent_tokens[key] = len(c.text), len(c.token_ids)
                         first, first_extension = first_extension, {}
-                        yield sse(
-                            base
-                            | first
-                            | {
-                                "choices": [
-                                    {
-                                        "index": i * params.n + c.index,
-                                        "text": delta,
-                                        "logprobs": None,
-                                        "finish_reason": c.finish_reason,
-                                    }
-                                ]
-                            }
-                        )
+                        yield sse(base | first | {"choices": [choice]})
             if include_usage and not failed and len(finals) == len(prompts):
                 ordered = [finals[i] for i in range(len(prompts))]
                 yield sse(base | {"choices": [], "usage": _total_usage(prompts, ordered)})
@@ -117,10 +125,12 @@ class CompletionServing(EngineServing):
                 task.cancel()
 
 
-def _total_usage(prompts: list[ProcessedPrompt], finals: list[RequestOutput]) -> dict[str, int]:
+def _total_usage(prompts: list[ProcessedPrompt], finals: list[RequestOutput]) -> dict[str, Any]:
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
     for prompt, final in zip(prompts, finals, strict=True):
         part = usage(prompt, final)
         for key in total:
             total[key] += part[key]
-    return total
+        cached += part["prompt_tokens_details"]["cached_tokens"]
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
