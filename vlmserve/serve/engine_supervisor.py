@@ -172,7 +172,9 @@ class EngineSupervisor:
         """Note an exit seen by `exited`: logged, and not ready until a restart is. Says what
         happened to it, e.g. "died (exit code -9)"."""
         code = self._process.returncode if self._process else None
-        logger.error("the engine process exited (code %s)", code)
+        if self.was_ready:
+            logger.error("the engine process exited (code %s)", code)
+        # else it never started: wait_ready() reports that, once, to whoever waits to serve
         self.ready.clear()
         return self._killed_for or f"died (exit code {code})"
 
