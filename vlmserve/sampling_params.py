@@ -6,6 +6,7 @@ argmax, or temperature, min_p, top-k and top-p before drawing."""
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,57 @@ def as_float32(x: float) -> float:
         return float(struct.unpack("f", struct.pack("f", x))[0])
     except OverflowError:
         return math.copysign(math.inf, x)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: exactly one of json (a JSON schema, as a dict or its JSON
+    text), regex, choice (the output is one of these strings), grammar (EBNF, xgrammar's dialect
+    of GBNF) or json_object (any JSON object). Plain data: the engine compiles it."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between its tokens (vLLM's flag; whitespace is allowed by default).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json, ensure_ascii=False)  # plain text from here on
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty EBNF grammar")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, spec text, any whitespace): what a compiled grammar is cached by."""
+        if self.json is not None:
+            return ("json", str(self.json), not self.disable_any_whitespace)
+        if self.regex is not None:
+            return ("regex", self.regex, False)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice, ensure_ascii=False), False)
+        if self.grammar is not None:
+            return ("grammar", self.grammar, False)
+        return ("json_object", "", not self.disable_any_whitespace)
 
 
 @dataclass
@@ -62,6 +114,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words as token ids (filled in by the front end's tokenizer; with and without a leading space).
     bad_words_token_ids: list[list[int]] | None = None
+    # The output follows this grammar (JSON schema, regex, choice, EBNF): masked token by token.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +189,12 @@ class SamplingParams:
             for ids in self.bad_words_token_ids
         ):
             raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            if self.min_tokens:
+                # The grammar may allow only eos where min_tokens forbids it: nothing left to draw.
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

@@ -79,6 +79,9 @@ REFUSED = [(endpoint, field, value) for endpoint in (CHAT, COMPLETIONS) for fiel
     (CHAT, "best_of", 3),
     (COMPLETIONS, "best_of", 2),
     (CHAT, "priority", False),  # a bool is not the number 0
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    (CHAT, "tool_choice", "required"),
+    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
 ]
 
 
@@ -104,6 +107,7 @@ def test_a_field_not_implemented_is_refused_by_name(server: Server, endpoint: st
         (CHAT, {"stream_options": None}),
         (CHAT, {"stream_options": {}}),  # vLLM lets an empty one through without stream
         (CHAT, {"spaces_between_special_tokens": False}),
+        (CHAT, {"tools": [], "tool_choice": "none"}),
     ],
 )
 def test_the_off_values_pass(server: Server, endpoint: str, fields: dict[str, object]) -> None:

@@ -17,6 +17,7 @@ from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.engine.structured_output import GrammarCompiler
 from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class EngineCore:
             model.family.model_class, model.model_config, model.model_dir, self.backend, self.device, self.dtype
         )
         self.runner = ModelRunner(self.model, self.device, self.dtype)
+        self.runner.grammars = self.grammars = GrammarCompiler(
+            self._load_vocabulary, model.model_config.text.vocab_size, sorted(model.eos_token_ids)
+        )
         # The largest image or video a prompt may hold: the encoder must take it in one step.
         limits = model.processing.max_items_per_prompt()
         per_item = {m: n for m, n in model.processing.max_tokens_per_item().items() if limits.get(m, 0) > 0}
@@ -113,13 +117,20 @@ class EngineCore:
             state_cache_bytes=state_bytes,
         )
 
+    def _load_vocabulary(self) -> list[bytes]:
+        """Each token's bytes, for structured outputs (read once, at the first grammar)."""
+        tokenizer = self.model_info.family.load_tokenizer(self.model_info.model_dir)
+        return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+
     def check_fits(self, prompt: ProcessedPrompt) -> None:
         self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        """One sample (n == 1); the front end fans out n > 1."""
+        """One sample (n == 1); the front end fans out n > 1. ValueError: a grammar that does not compile."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached: the runner's matcher takes it from there
         request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(request)
 

@@ -16,7 +16,8 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
-from vlmserve.engine.sampler import Sampler, TokenHistory, token_logprobs
+from vlmserve.engine.sampler import GrammarMask, Sampler, TokenHistory, token_logprobs
+from vlmserve.engine.structured_output import GrammarCompiler, GrammarState, TokenBitmask
 from vlmserve.models.base import VLModel, item_rows, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.progress import progress
@@ -45,6 +46,9 @@ class CachedRequestState:
     num_computed_tokens: int
     all_stop_token_ids: list[int]
     state_slot: int = -1  # its per-request state (SequenceState layers); -1: the model has none
+    # Structured outputs: the matcher that has taken this request's output tokens (made at its
+    # first sample; rebuilt from the output wherever the two disagree).
+    grammar: GrammarState | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -63,6 +67,10 @@ class CachedRequestState:
             all_stop_token_ids=list(new.all_stop_token_ids),
             state_slot=new.state_slot,
         )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     def history(self) -> TokenHistory:
         return TokenHistory(self.token_ids, self.num_prompt_tokens, self.all_stop_token_ids)
@@ -109,6 +117,9 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         # Layers with per-request state of fixed size (linear attention); none for most models.
         self.state_layers = [m for m in model.modules() if isinstance(m, SequenceState)]
+        # Structured outputs (set by the engine core); the bitmask is sized by the model's logits.
+        self.grammars: GrammarCompiler | None = None
+        self.token_bitmask: TokenBitmask | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -224,8 +235,18 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()
+        grammar_states = self._grammar_states(sampled)
+        grammar = None
+        if any(g is not None for g in grammar_states):
+            if self.token_bitmask is None:
+                self.token_bitmask = TokenBitmask(logits.shape[-1])
+            grammar = GrammarMask(*self.token_bitmask.fill(grammar_states))
         tokens = self.sampler(
-            logits, [s.params for s in sampled], [s.generator for s in sampled], [s.history() for s in sampled]
+            logits,
+            [s.params for s in sampled],
+            [s.generator for s in sampled],
+            [s.history() for s in sampled],
+            grammar,
         )
         out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
         counts = [s.params.logprobs for s in sampled]
@@ -234,7 +255,24 @@ class ModelRunner:
             out.logprobs = {s.request_id: x for s, x in zip(sampled, info, strict=True) if x is not None}
         for state, token in zip(sampled, tokens, strict=True):
             state.token_ids.append(token)
+            if state.grammar is not None:
+                state.grammar.accept(token)
         return out
+
+    def _grammar_states(self, sampled: list[CachedRequestState]) -> list[GrammarState | None]:
+        """Each sampled request's matcher, in step with its output (made or rebuilt here)."""
+        states: list[GrammarState | None] = []
+        for state in sampled:
+            spec = state.params.structured_outputs
+            if spec is None:
+                states.append(None)
+                continue
+            output = state.output_token_ids
+            if state.grammar is None or state.grammar.num_accepted != len(output):
+                assert self.grammars is not None, "structured outputs without a grammar compiler"
+                state.grammar = self.grammars.matcher(spec, output)
+            states.append(state.grammar)
+        return states
 
     def _metadata(
         self,

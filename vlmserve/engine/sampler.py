@@ -1,7 +1,7 @@
-"""Token sampling, in vLLM's order: bad words, min_tokens and logit_bias masks; the penalties
-(repetition over prompt and output, frequency and presence over the output); then greedy argmax,
-or temperature, min_p, top-k and top-p and a draw, with a generator per seeded request so its
-samples do not depend on what else is in the batch.
+"""Token sampling, in vLLM's order: the grammar mask of structured outputs; bad words, min_tokens
+and logit_bias masks; the penalties (repetition over prompt and output, frequency and presence over
+the output); then greedy argmax, or temperature, min_p, top-k and top-p and a draw, with a
+generator per seeded request so its samples do not depend on what else is in the batch.
 
 Each stage is one batched tensor operation over the rows that use it (a Python loop per row only
 gathers the ids to mask), and is skipped when no row in the batch uses it. The penalties are
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.engine.contracts import TokenLogprobs
+from vlmserve.engine.structured_output import apply_token_bitmask
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -52,6 +53,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | N
         top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
         out[i] = TokenLogprobs(float(chosen), rank, top)
     return out
+
+
+@dataclass
+class GrammarMask:
+    """Structured outputs' masks of one step: bitmask [b, ceil(vocab / 32)] int32 (bit set: the
+    grammar allows the token), applied to `rows` only."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass
@@ -159,12 +169,14 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: Sequence[TokenHistory] | None = None,
+        grammar: GrammarMask | None = None,
     ) -> list[int]:
         """logits [b, vocab] float32 (not modified) -> one token id per row. histories: each
-        row's tokens so far, needed by the penalties, min_tokens and bad words."""
+        row's tokens so far, needed by the penalties, min_tokens and bad words; grammar: the
+        structured outputs' masks."""
         assert logits.shape[0] == len(params) == len(generators)
         assert histories is None or len(histories) == len(params)
-        logits = self.process(logits, params, histories)
+        logits = self.process(logits, params, histories, grammar)
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -188,10 +200,30 @@ class Sampler:
 
     @staticmethod
     def process(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[TokenHistory] | None,
+        grammar: GrammarMask | None = None,
+    ) -> torch.Tensor:
+        """The logits every draw starts from: grammar mask, masks, bias and penalties applied (a
+        new tensor when any is; the input as is when none)."""
+        if grammar is not None and grammar.rows:
+            logits = logits.clone()
+            apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
+            processed = Sampler._process(logits, params, histories)
+            # A bad word may forbid the only token the grammar allows: the grammar wins there.
+            rows = torch.tensor(grammar.rows)
+            dead = rows[processed[rows].amax(dim=-1) == float("-inf")]
+            if len(dead):
+                processed = processed if processed is not logits else processed.clone()
+                processed[dead] = logits[dead]
+            return processed
+        return Sampler._process(logits, params, histories)
+
+    @staticmethod
+    def _process(
         logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory] | None
     ) -> torch.Tensor:
-        """The logits every draw starts from: masks, bias and penalties applied (a new tensor
-        when any is; the input as is when none)."""
         masked = [i for i, p in enumerate(params) if p.logit_bias or p.min_tokens or p.bad_words_token_ids]
         penalized = [i for i, p in enumerate(params) if p.needs_penalties]
         if not masked and not penalized:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
 from vlmserve.processor.chat import ROLES, SIZING_KEYS
-from vlmserve.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from vlmserve.sampling_params import (
+    FLOAT32_TINY,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 512
@@ -126,8 +134,7 @@ MESSAGE_SCHEMA: dict[str, Any] = {
 
 # Fields of vLLM's request schemas that vlmserve does not implement: a request that sets one to
 # anything but the value meaning "off" is refused with a 400 naming it, never run as if it had
-# not been sent. Each maps to (the values meaning "off", why). The fields of structured outputs,
-# tools and reasoning are not here: their own change implements them.
+# not been sent. Each maps to (the values meaning "off", why).
 _OFF = (None,)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), "beam search is not implemented"),
@@ -153,8 +160,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
         "the chat template always closes the last message (prefill is not implemented)",
     ),
 }
-# Chat only: `echo` (prepending the last message).
-_CHAT_UNSUPPORTED = {"echo": ((None, False), "echoing the last message is not implemented")}
+# Chat only: `echo` (prepending the last message); tool calling (issue 16: the chat templates
+# take tools, but the answers are not yet parsed back into tool_calls).
+_CHAT_UNSUPPORTED = {
+    "echo": ((None, False), "echoing the last message is not implemented"),
+    "tools": ((None, []), "tool calling is not implemented yet"),
+    "tool_choice": ((None, "none"), "tool calling is not implemented yet"),
+}
 # Completions only: echo of the prompt, suffix.
 _COMPLETION_UNSUPPORTED = {
     "echo": ((None, False), "echoing the prompt is not implemented"),
@@ -209,6 +221,35 @@ class StreamOptions(BaseModel):
         return value
 
 
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic's BaseModel has a `schema` method, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
+    json_schema (JSON that follows json_schema.schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's structured_outputs object (exactly one of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+
+
 class _SamplingFields(BaseModel):
     # Unknown fields are kept aside (model_extra) to be refused or ignored with a warning.
     model_config = ConfigDict(extra="allow")
@@ -241,6 +282,14 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
+    # guided_* fields (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # The Qwen tokenizers add no special tokens (no BOS), so either value gives the same ids, as
     # in vLLM; accepted with vLLM's defaults (chat: false, completions: true).
     add_special_tokens: StrictBool | None = None
@@ -310,12 +359,48 @@ class _SamplingFields(BaseModel):
             out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return out
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one grammar the request asks for, from whichever field it used (400 naming the
+        field when it is malformed, or when two fields ask)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            asked.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            asked.append(("structured_outputs", fields))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, {name.removeprefix("guided_"): value}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise APIError(400, f"ask for one structured output per request, got {names}", asked[1][0])
+        name, fields = asked[0]
+        try:  # what goes to the engine must encode: no lone surrogate, no NUL, no endless nesting
+            problem = text_problem(json.dumps(fields, ensure_ascii=False, allow_nan=False))
+        except (RecursionError, ValueError):
+            problem = "is nested too deeply or holds a number JSON cannot write"
+        if problem:
+            raise APIError(400, f"{name} {problem}", name)
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}".replace("structured_outputs: ", "", 1), name) from None
+
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, max_n: int
     ) -> SamplingParams:
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
         logit_bias = self._logit_bias()
+        structured_outputs = self._structured_outputs()
         try:
             return SamplingParams(
                 n=self.n,
@@ -339,6 +424,7 @@ class _SamplingFields(BaseModel):
                 min_tokens=self.min_tokens,
                 logit_bias=logit_bias,
                 bad_words=self.bad_words,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             message = str(e)
