@@ -8,13 +8,13 @@ from typing import Any
 
 from vlmserve.config import ModelConfig, read_config_json
 from vlmserve.families.qwen2_vl.family import QWEN2_5_VL, QWEN2_VL
-from vlmserve.families.qwen3_5.family import QWEN3_5
+from vlmserve.families.qwen3_5.family import QWEN3_5, QWEN3_5_MOE
 from vlmserve.families.qwen3_vl.family import QWEN3_VL, QWEN3_VL_MOE
 from vlmserve.families.qwen_vl.family import QWEN_VL
 from vlmserve.family import ModelFamily
 from vlmserve.grounding import CONVENTIONS
 
-FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN_VL)
+FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, QWEN_VL)
 
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 # model_type -> the family a config.json without `architectures` means.

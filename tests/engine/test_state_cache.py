@@ -1,6 +1,9 @@
 """State slots beside the paged KV (engine/state_cache.py through KVCacheManager), driven
 directly: a slot is taken with a request's first blocks and given back with them, a request
-that finds no slot takes nothing, and a manager with state slots never reuses cached KV."""
+that finds no slot takes nothing; prefix caching of a model with state reuses cached KV only up
+to a block whose end state is cached (saved where the prompt's last reusable block ends,
+committed once its step succeeded, evicted least recently used), and without cached-state slots
+not at all."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ def test_a_request_short_of_blocks_takes_no_slot() -> None:
     assert kv.state_slots is not None and kv.state_slots.num_free == 2
 
 
-def test_no_prefix_reuse_with_state_slots() -> None:
+def test_no_prefix_reuse_with_state_slots_and_no_cached_states() -> None:
     """The KV of a cached prefix is useless without the recurrent state at its last token."""
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, num_state_slots=2)
     assert not kv.enable_prefix_caching
@@ -52,3 +55,70 @@ def test_no_prefix_reuse_with_state_slots() -> None:
 def test_a_model_without_state_has_no_pool() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert kv.state_slots is None and kv.allocate_slots("a", 5) and kv.state_slot("a") == -1
+
+
+def _prefill_and_save(kv: KVCacheManager, req: Request) -> int | None:
+    """What the scheduler and runner do for a prompt: compute up to the save point, reserve a
+    state slot there, then (the step succeeded) commit. Returns the reserved slot."""
+    save_at = kv.save_point(req)
+    assert kv.allocate_slots(req.request_id, req.num_tokens)
+    slot = kv.reserve_state_save(req)
+    kv.cache_blocks(req, save_at)
+    kv.cache_blocks(req, req.num_tokens)
+    return slot
+
+
+def test_a_prefix_is_reused_only_up_to_a_block_whose_state_is_cached() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_state_slots=2, num_cached_states=2)
+    assert kv.enable_prefix_caching
+    a = request("a", 14)  # blocks [0, 4) [4, 8) [8, 12) full; the last a repeat could reuse ends at 12
+    assert kv.save_point(a) == 12
+    assert _prefill_and_save(kv, a) == 2  # the cached-state slots follow the running ones
+    kv.free("a")
+    # The same prompt: all three blocks, and the state at token 12.
+    again = request("again", 14)
+    assert len(kv.find_cached_prefix(again)) == 3 and kv.cached_state_slot(again, 3) == 2
+    # A prompt sharing the first 10 tokens: blocks 0 and 1 are cached, but no state at 4 or 8.
+    shorter = Request(
+        "shorter",
+        ProcessedPrompt(prompt_token_ids=[*range(10), 99, 98], mm_items=[], mrope_positions=None, mrope_delta=0),
+        SamplingParams(max_tokens=4),
+        frozenset(),
+        1 << 16,
+    )
+    assert kv.find_cached_prefix(shorter) == []
+    # A prompt exactly 12 tokens long saves at 8 (one token is always left to compute).
+    assert kv.save_point(request("twelve", 12)) == 8
+
+
+def test_a_save_becomes_an_entry_only_when_its_step_succeeded_and_entries_age_out() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=4, num_state_slots=2, num_cached_states=2)
+    assert kv.cached_states is not None
+    a = request("a", 9)
+    assert kv.allocate_slots("a", 9) and kv.reserve_state_save(a) == 2
+    kv.free("a")  # ended (aborted, preempted, failed) before its step was committed
+    assert not kv.cached_states.entries and kv.find_cached_prefix(request("a2", 9)) == []
+    # Three distinct prompts through two cached-state slots: the least recently used goes.
+    prompts = [
+        Request(
+            f"p{i}",
+            ProcessedPrompt(
+                prompt_token_ids=[100 * i + t for t in range(9)], mm_items=[], mrope_positions=None, mrope_delta=0
+            ),
+            SamplingParams(max_tokens=4),
+            frozenset(),
+            1 << 16,
+        )
+        for i in range(3)
+    ]
+    for p in prompts[:2]:
+        _prefill_and_save(kv, p)
+        kv.free(p.request_id)
+    # A hit on p0 (the scheduler takes its state) makes it the most recently used.
+    assert len(kv.find_cached_prefix(prompts[0])) == 2 and kv.cached_state_slot(prompts[0], 2) == 2
+    _prefill_and_save(kv, prompts[2])  # evicts p1's state
+    kv.free("p2")
+    assert kv.find_cached_prefix(prompts[1]) == []
+    assert len(kv.find_cached_prefix(prompts[0])) == 2 and len(kv.find_cached_prefix(prompts[2])) == 2
+    # A state cached already is not saved twice.
+    assert kv.reserve_state_save(prompts[0]) is None

@@ -2,8 +2,8 @@
 transformers 5.23 on the same tiny checkpoint files: config parsing, the delta rule and causal
 conv against transformers' torch fallbacks (state carried across chunks), float32 logits through
 a prefill split into chunks plus decode steps, and greedy tokens through the engine: batched and
-alone, a batch of 16 of mixed lengths, preemption and resume, prefix caching (off for state),
-memory planning that counts the state slots."""
+alone, a batch of 16 of mixed lengths, preemption and resume, prefix caching (reuse only up to a
+block whose state is cached), memory planning that counts the state slots."""
 
 from __future__ import annotations
 
@@ -299,22 +299,64 @@ def test_a_preempted_request_rebuilds_its_state_and_gives_transformers_tokens(  
     assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
 
 
-def test_prefix_caching_is_off_for_state_and_a_repeated_image_prompt_recomputes(  # type: ignore[no-untyped-def]
+def test_a_repeated_image_prompt_reuses_kv_and_state_and_gives_transformers_tokens(  # type: ignore[no-untyped-def]
     tiny35_dir: Path, hf35_model
 ) -> None:
-    """Cached KV without the recurrent state of the same token is of no use: a repeated image
-    prompt hits nothing (hit rate 0) and gives transformers' tokens again."""
-    engine = make_engine(tiny35_dir, enable_prefix_caching=True)
-    assert not engine.kv.enable_prefix_caching
+    """The first run saves the state where the prompt's last reusable block ends; a repeat
+    reuses the KV up to there with that state (num_cached_tokens > 0) and gives transformers'
+    tokens and logprobs again, as does the conversation's next turn (a prompt that starts with
+    the first one)."""
+    engine = make_engine(tiny35_dir)
+    assert engine.kv.enable_prefix_caching
     text, picture = chat(IMAGE, "Describe it."), image(14, 20, 5)
     prompt = engine.processor.process(text, [ImageInput(picture)])
     ids, vision = hf_inputs(tiny35_dir, text, [picture])
     expected = hf_greedy_with_logprobs(hf35_model, ids, vision, 6)
-    for attempt in range(2):
+    save_at = (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    cached = []
+    for attempt in range(3):
         out = run(engine, {f"a{attempt}": prompt}, max_tokens=6)[f"a{attempt}"]
-        assert out.num_cached_tokens == 0
+        cached.append(out.num_cached_tokens)
         assert_same_tokens_and_logprobs(out, expected)
-    assert engine.kv.prefix_hits == 0
+    assert cached == [0, save_at, save_at] and save_at >= 4 * BLOCK_SIZE
+    hit_rate = engine.kv.prefix_hits / engine.kv.prefix_queries
+    assert hit_rate == 2 * save_at / (3 * len(ids))
+    # The next turn of the same conversation: the first prompt is its start.
+    longer = text + "Noise.<|im_end|>\n" + chat("What colour dominates?")
+    prompt2 = engine.processor.process(longer, [ImageInput(picture)])
+    ids2, _ = hf_inputs(tiny35_dir, longer, [picture])
+    assert ids2[:save_at] == ids[:save_at]
+    out = run(engine, {"longer": prompt2}, max_tokens=6)["longer"]
+    assert out.num_cached_tokens == save_at
+    assert_same_tokens_and_logprobs(out, hf_greedy_with_logprobs(hf35_model, ids2, vision, 6))
+
+
+def test_cached_kv_without_the_state_at_its_end_is_not_reused(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
+    """A prompt sharing the first blocks of a cached one but diverging before its save point:
+    those blocks' KV is cached, the state at their end is not, so nothing is reused and the
+    tokens are transformers'."""
+    engine = make_engine(tiny35_dir)
+    picture = image(14, 20, 6)
+    first = chat(IMAGE, "Describe it in one long sentence, please.")
+    run(engine, {"first": engine.processor.process(first, [ImageInput(picture)])}, max_tokens=2)
+    second = chat(IMAGE, "Count the objects.")
+    prompt = engine.processor.process(second, [ImageInput(picture)])
+    ids, vision = hf_inputs(tiny35_dir, second, [picture])
+    first_ids, _ = hf_inputs(tiny35_dir, first, [picture])
+    shared = next(i for i, (x, y) in enumerate(zip(ids, first_ids, strict=False)) if x != y)
+    first_save = (len(first_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert BLOCK_SIZE <= shared < first_save, "full blocks of KV are cached, but no state at their end"
+    assert engine.kv.block_hashes(_request(prompt), 1)[0] in engine.kv.pool.cached  # its KV is there
+    out = run(engine, {"second": prompt}, max_tokens=6)["second"]
+    assert out.num_cached_tokens == 0
+    assert_same_tokens_and_logprobs(out, hf_greedy_with_logprobs(hf35_model, ids, vision, 6))
+
+
+def _request(prompt: ProcessedPrompt):  # type: ignore[no-untyped-def]
+    from vlmserve.engine.request import Request
+    from vlmserve.sampling_params import SamplingParams
+
+    return Request("probe", prompt, SamplingParams(max_tokens=1), frozenset(), 1 << 20)
 
 
 # -- memory planning ------------------------------------------------------------------------------
@@ -324,9 +366,12 @@ def test_the_memory_plan_counts_state_slots_and_refuses_with_numbers(tiny35_dir:
     engine = make_engine(tiny35_dir, max_num_seqs=8)
     assert engine.core.runner.state_bytes_per_slot == STATE_BYTES_PER_SLOT
     plan = engine.core.memory_plan
-    assert plan.state_cache_bytes == 8 * STATE_BYTES_PER_SLOT and "per-request state" in plan.describe()
+    # 8 running requests' slots, and as many for states saved for prefix caching.
+    assert plan.state_cache_bytes == 16 * STATE_BYTES_PER_SLOT and "per-request state" in plan.describe()
     for layer in engine.core.runner.state_layers:
-        assert [tuple(s.shape) for s in layer.states] == [(8, 128, 3), (8, 4, 16, 16)]
+        assert [tuple(s.shape) for s in layer.states] == [(16, 128, 3), (16, 4, 16, 16)]
+    without = make_engine(tiny35_dir, max_num_seqs=8, enable_prefix_caching=False)
+    assert without.core.memory_plan.state_cache_bytes == 8 * STATE_BYTES_PER_SLOT
 
 
 def test_a_budget_without_room_for_the_state_slots_is_refused_with_numbers() -> None:

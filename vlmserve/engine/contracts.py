@@ -53,6 +53,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     free_encoder_hashes: list[str] = msgspec.field(default_factory=list)
     # Requests that ended since the last step: the runner forgets them.
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    # Per-request state (SequenceState layers) copied (from slot, to slot) before the step's
+    # forward (a prefix hit's cached state into its request's slot) and after it (a state saved
+    # for prefix caching where a chunk ended at a block boundary).
+    load_states: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    save_states: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -55,14 +55,17 @@ class EngineCore:
         )
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
-        # A model with per-request state: one slot per running request (prefix caching is off).
-        num_state_slots = config.max_num_seqs if self.runner.state_layers else 0
+        num_state_slots, num_cached_states = self._state_slots()
         self.kv = KVCacheManager(
-            self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching, num_state_slots
+            self.memory_plan.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            num_state_slots,
+            num_cached_states,
         )
         self.runner.bind_kv_cache(self.kv.pool.num_blocks, self.kv.block_size)
         if num_state_slots:
-            self.runner.bind_state_cache(num_state_slots)
+            self.runner.bind_state_cache(num_state_slots + num_cached_states)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         # Requests an error in the engine failed, with why, since the last take_failed().
         self.failed: dict[str, str] = {}
@@ -70,6 +73,14 @@ class EngineCore:
         # for the periodic throughput lines.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _state_slots(self) -> tuple[int, int]:
+        """A model with per-request state: one slot per running request, and with prefix caching
+        as many again for states saved at block boundaries (kv_cache.py). (0, 0) without state."""
+        if not self.runner.state_layers:
+            return 0, 0
+        n = self.config.max_num_seqs
+        return n, n if self.config.enable_prefix_caching else 0
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
         config = self.config
@@ -81,7 +92,7 @@ class EngineCore:
             sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
         )
         per_seq = -(-self.max_model_len // config.block_size)
-        state_bytes = self.runner.state_bytes_per_slot * config.max_num_seqs
+        state_bytes = self.runner.state_bytes_per_slot * sum(self._state_slots())
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
@@ -141,7 +152,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks and encoder outputs that no running request holds."""
-        self.kv.pool.forget_free_blocks()
+        self.kv.forget_cached()
         self.scheduler.encoder_cache.evict_unused()
         self.runner.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
 

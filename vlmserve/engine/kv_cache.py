@@ -10,8 +10,11 @@ its hash and contents until it is reused (least recently freed first), so a late
 prompt starts the same way picks the blocks up instead of recomputing them.
 
 A model with per-request state (linear-attention layers) also takes a state slot per running
-request (state_cache.py), with its first blocks and freed with them. Its prefix caching is off:
-cached KV is of no use without the recurrent state at the same token, which is not kept.
+request (state_cache.py), with its first blocks and freed with them. Cached KV is of no use to it
+without the recurrent state at the same token, so its prefix caching keeps states too: where a
+prompt's last full block that a repeat could reuse ends (save_point), the scheduler ends a chunk
+and the runner copies the request's state into a cached-state slot keyed by that block's hash.
+A later request reuses cached blocks only up to the last one whose state is cached.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from vlmserve.engine.request import Request
-from vlmserve.engine.state_cache import StateSlotPool
+from vlmserve.engine.state_cache import CachedStatePool, StateSlotPool
 
 
 @dataclass
@@ -106,13 +109,24 @@ def hash_block(parent: bytes, token_ids: list[int], mm_keys: tuple[tuple[str, in
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_cached_states: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
-        # NOTE: never reuse KV without the matching state: no prefix caching with state slots.
-        self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
+        # States saved at block boundaries, in slots num_state_slots.. (a model with state only).
+        self.cached_states = (
+            CachedStatePool(num_state_slots, num_cached_states) if num_state_slots and num_cached_states else None
+        )
+        # NOTE: never reuse KV without the matching state: with state slots, only with cached states.
+        self.enable_prefix_caching = enable_prefix_caching and (
+            self.state_slots is None or self.cached_states is not None
+        )
         self.block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
@@ -147,9 +161,37 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.cached_states is not None:
+            # Only as far as a block whose end state is cached: the rest is recomputed.
+            hashes = request.block_hashes
+            while hits and not self.cached_states.has(hashes[len(hits) - 1]):
+                hits.pop()
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def cached_state_slot(self, request: Request, num_blocks: int) -> int:
+        """The cached state at the end of the request's first `num_blocks` blocks (a hit)."""
+        assert self.cached_states is not None and num_blocks > 0
+        return self.cached_states.lookup(self.block_hashes(request, num_blocks)[-1])
+
+    def save_point(self, request: Request) -> int:
+        """Where a model with state saves it for prefix caching: the end of the prompt's last full
+        block that a repeat of the prompt could reuse (one token is always left to compute);
+        0 for none."""
+        if self.cached_states is None:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def reserve_state_save(self, request: Request) -> int | None:
+        """A cached-state slot for the state at the request's save point, unless that state is
+        cached already or every slot is being written."""
+        assert self.cached_states is not None
+        num_blocks = self.save_point(request) // self.block_size
+        block_hash = self.block_hashes(request, num_blocks)[-1]
+        if self.cached_states.has(block_hash) or request.request_id in self.cached_states.pending:
+            return None
+        return self.cached_states.reserve(request.request_id, block_hash)
 
     def allocate_slots(self, request_id: str, total_tokens: int, prefix_blocks: list[int] = ()) -> bool:  # type: ignore[assignment]
         """Make room for the request's first `total_tokens` tokens, starting from `prefix_blocks`
@@ -175,9 +217,12 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full (their KV is computed)."""
+        """Register the request's blocks that became full (their KV is computed), and the state
+        saved this step, if any."""
         if not self.enable_prefix_caching:
             return
+        if self.cached_states is not None and request.request_id in self.cached_states.pending:
+            self.cached_states.commit(request.request_id)
         full = num_computed_tokens // self.block_size
         done = self._num_cached_blocks.get(request.request_id, 0)
         if full <= done:
@@ -192,6 +237,8 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request_id, None)
         if self.state_slots is not None:
             self.state_slots.free(request_id)
+        if self.cached_states is not None:
+            self.cached_states.release(request_id)
         if blocks:
             # Tail first: the start of a prompt is the part other requests most likely share,
             # so it should be the last to be evicted.
@@ -204,6 +251,15 @@ class KVCacheManager:
         self._num_cached_blocks.clear()
         if self.state_slots is not None:
             self.state_slots = StateSlotPool(self.state_slots.num_slots)
+        if self.cached_states is not None:
+            assert self.state_slots is not None
+            self.cached_states = CachedStatePool(self.state_slots.num_slots, self.cached_states.num_entries)
+
+    def forget_cached(self) -> None:
+        """Drop the cached contents of every block nobody holds, and every cached state."""
+        self.pool.forget_free_blocks()
+        if self.cached_states is not None:
+            self.cached_states.clear()
 
     def state_slot(self, request_id: str) -> int:
         """The request's state slot; -1 for a model without per-request state."""

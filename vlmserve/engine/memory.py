@@ -10,7 +10,8 @@ workspace), so a request that fits the plan cannot run the process out of memory
 that cannot fit is refused when submitted.
 
 A model with per-request state (linear-attention layers) also needs max_num_seqs state slots of
-a fixed size (vlmserve.attention.state); they are set aside before the KV cache is sized.
+a fixed size (vlmserve.attention.state), twice that with prefix caching (saved states); they are
+set aside before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class MemoryPlan:
     block_size: int
     capped: bool  # KV limited to what max_num_seqs full-length sequences can use
     profiled: bool
-    state_cache_bytes: int = 0  # max_num_seqs state slots (0 for a model without per-request state)
+    # max_num_seqs state slots, twice that with prefix caching (0 for a model without per-request state)
+    state_cache_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:

@@ -231,7 +231,9 @@ class ModelRunner:
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), mm_spans)
+        self._copy_states(step.load_states)
         hidden = self.model(None, torch.cat(positions, dim=1).to(self.device), meta, inputs_embeds, layer_extras)
+        self._copy_states(step.save_states)
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows]).float()
@@ -273,6 +275,15 @@ class ModelRunner:
                 state.grammar = self.grammars.matcher(spec, output)
             states.append(state.grammar)
         return states
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy per-request state from slot to slot in every SequenceState layer."""
+        if pairs:
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+            for layer in self.state_layers:
+                for state in layer.states:
+                    state.index_copy_(0, dst, state.index_select(0, src))
 
     def _metadata(
         self,

@@ -10,6 +10,9 @@ holding any of its placeholders is scheduled, and its encoder output is kept unt
 them is computed. A chunk stops short of an image that cannot be encoded this step (the
 per-step encoder budget is spent, or the encoder cache is full of images in use).
 
+A model with per-request state saves it for prefix caching where the prompt's last reusable full
+block ends (KVCacheManager.save_point): a chunk that would cross that point ends there.
+
 When the KV pool runs dry the newest running request is preempted: its blocks are freed and it
 is recomputed later (prompt and generated tokens, from whatever prefix is still cached).
 """
@@ -154,9 +157,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            n, encoder_tokens = self._fit_encoder(
-                request, start, min(request.num_tokens - start, budget), encoder_budget
-            )
+            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, budget), encoder_budget)
             if n == 0:
                 i += 1
                 continue
@@ -179,11 +180,13 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request)
             start = len(prefix) * self.kv.block_size
-            n, encoder_tokens = self._fit_encoder(
-                request, start, min(request.num_tokens - start, budget), encoder_budget
-            )
+            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, budget), encoder_budget)
             if n == 0 or not self.kv.allocate_slots(request.request_id, start + n, prefix):
                 break
+            if prefix and self.kv.cached_states is not None:
+                # The state at the end of the hit, into the request's own slot.
+                source = self.kv.cached_state_slot(request, len(prefix))
+                out.load_states.append((source, self.kv.state_slot(request.request_id)))
             self.waiting.popleft()
             request.num_computed_tokens = start
             request.num_cached_tokens = start
@@ -195,6 +198,13 @@ class Scheduler:
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """The most tokens to compute from `start`: the rest, within the budget, ending at the
+        state's save point if it lies inside."""
+        n = min(request.num_tokens - start, budget)
+        save_at = self.kv.save_point(request)
+        return save_at - start if start < save_at < start + n else n
 
     def _fit_encoder(self, request: Request, start: int, n: int, encoder_budget: int) -> tuple[int, int]:
         """Shorten [start, start + n) to end before the first image that cannot be encoded
@@ -248,6 +258,10 @@ class Scheduler:
             )
         request.num_sent_blocks = len(block_ids)
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
+        if self.kv.enable_prefix_caching and end == self.kv.save_point(request) > 0:
+            slot = self.kv.reserve_state_save(request)
+            if slot is not None:
+                out.save_states.append((self.kv.state_slot(request_id), slot))
         for index, item in enumerate(request.mm_items):
             # Acquire every image this chunk holds placeholders of; encode those not cached.
             in_chunk = item.offset < end and item.end > start

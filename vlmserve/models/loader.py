@@ -23,6 +23,10 @@ class WeightTable:
     reshape: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     # Checkpoint names to drop (tied lm_head, rotary buffers some exports carry).
     ignore: Callable[[str], bool] = lambda name: False
+    # Experts published one by one and stacked here into [num_experts, out, in] parameters, as
+    # transformers' MoE conversion stacks them: "<p>.experts.<e>.<module>.weight" -> row e of
+    # "<p>.experts.<stacked>", all of it (shard None) or the shard's rows (`shards` gives where).
+    experts: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: WeightTable) -> None:
@@ -38,8 +42,20 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                 name = new + name[len(old) :]
                 break
         shard: str | None = None
+        expert: int | None = None
         parts = name.split(".")
         for i, part in enumerate(parts):
+            if (
+                part == "experts"
+                and len(parts) == i + 4
+                and parts[i + 1].isdigit()
+                and parts[i + 2] in table.experts
+                and parts[i + 3] == "weight"
+            ):
+                stacked, shard = table.experts[parts[i + 2]]
+                expert = int(parts[i + 1])
+                name = ".".join([*parts[: i + 1], stacked])
+                break
             if part in table.packed:
                 fused, shard = table.packed[part]
                 parts[i] = fused
@@ -51,14 +67,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if name in table.reshape:
             tensor = table.reshape[name](tensor)
         param = params[name]
-        if shard is None:
-            target = param.data
-            loaded.add(name)
-        else:
+        target = param.data
+        key = name
+        if expert is not None:
+            if not 0 <= expert < target.shape[0]:
+                raise ValueError(f"weight {ckpt_name}: expert {expert}, the model has {target.shape[0]} experts")
+            target = target[expert]
+            key = f"{name}#{expert}"
+        if shard is not None:
             assert table.shards is not None
             start, size = table.shards(name, shard)
-            target = param.data.narrow(0, start, size)
-            loaded.add(f"{name}#{shard}")
+            target = target.narrow(0, start, size)
+            key = f"{key}#{shard}"
+        loaded.add(key)
         if target.shape != tensor.shape:
             raise ValueError(
                 f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
@@ -70,12 +91,23 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     fused_shards: dict[str, list[str]] = {}
     for fused, shard in table.packed.values():
         fused_shards.setdefault(fused, []).append(shard)
+    expert_shards: dict[str, list[str | None]] = {}
+    for stacked, expert_shard in table.experts.values():
+        expert_shards.setdefault(stacked, []).append(expert_shard)
     for name in params:
         module = name.rsplit(".", 2)[-2] if "." in name else name
-        if module in fused_shards:
+        last = name.rsplit(".", 1)[-1]
+        if module == "experts" and last in expert_shards:
+            expected.update(
+                f"{name}#{e}" + ("" if s is None else f"#{s}")
+                for e in range(params[name].shape[0])
+                for s in expert_shards[last]
+            )
+        elif module in fused_shards:
             expected.update(f"{name}#{s}" for s in fused_shards[module])
         else:
             expected.add(name)
-    missing = sorted(expected - loaded)
+    # A fused or stacked parameter the checkpoint holds whole covers all its shards.
+    missing = sorted(m for m in expected - loaded if m.split("#")[0] not in loaded)
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

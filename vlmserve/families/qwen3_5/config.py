@@ -3,7 +3,10 @@ language model under `text_config` with `layer_types` (or `full_attention_interv
 `linear_*` sizes of its Gated DeltaNet layers, and `rope_parameters` holding mrope_section (over
 the rotary part of a head: head_dim * partial_rotary_factor / 2 frequencies), mrope_interleaved
 and partial_rotary_factor; the vision tower under `vision_config` (Qwen3-VL's, no DeepStack).
-Defaults are transformers' Qwen3_5Config."""
+Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration) adds num_experts, num_experts_per_tok,
+moe_intermediate_size and shared_expert_intermediate_size: every layer's MLP is a routed mixture
+(top-k of a softmax, renormalised) plus one shared expert. Defaults are transformers'
+Qwen3_5Config / Qwen3_5MoeConfig."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config
+from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config, require
+from vlmserve.families.qwen3_vl.config import MoeConfig
 
 QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -33,6 +38,10 @@ class Qwen35FamilyConfig:
     rotary_dim: int
     num_position_embeddings: int
     mrope_interleaved: bool
+    # The MoE model: every layer's routed experts (Qwen3-VL-MoE's), and the width of the shared
+    # expert beside them (its output scaled by a sigmoid gate per token).
+    moe: MoeConfig | None = None
+    shared_expert_intermediate_size: int = 0
 
     @property
     def key_dim(self) -> int:
@@ -49,7 +58,17 @@ class Qwen35FamilyConfig:
 
 
 def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
+    return _parse(raw, QWEN3_5_ARCHITECTURE, moe=False)
+
+
+def parse_qwen3_5_moe_config(raw: dict[str, Any]) -> ModelConfig:
+    return _parse(raw, QWEN3_5_MOE_ARCHITECTURE, moe=True)
+
+
+def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
     text_raw: dict[str, Any] = raw.get("text_config") or raw
+    moe_config = _parse_moe(text_raw) if moe else None
+    shared_width = int(text_raw.get("shared_expert_intermediate_size", 512)) if moe else 0
     rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
     head_dim = int(text_raw.get("head_dim", 256))
     factor = float(rope.get("partial_rotary_factor", text_raw.get("partial_rotary_factor", 0.25)))
@@ -68,6 +87,9 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
     rope_without_section = {k: v for k, v in rope.items() if k != "mrope_section"}
     text_fields = {**text_raw, "head_dim": head_dim, "rope_parameters": rope_without_section}
     text_fields.setdefault("max_position_embeddings", 32768)
+    if moe:
+        # NOTE: the MoE model has no dense MLP; intermediate_size says the shared expert's width.
+        text_fields["intermediate_size"] = shared_width
     text_fields.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     text = dataclasses.replace(parse_text_config(text_fields, raw), mrope_section=section)
     num_layers = text.num_hidden_layers
@@ -117,6 +139,8 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         rotary_dim=rotary_dim,
         num_position_embeddings=num_positions,
         mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        moe=moe_config,
+        shared_expert_intermediate_size=shared_width,
     )
     if family.num_v_heads % family.num_k_heads:
         raise ValueError(
@@ -127,7 +151,7 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: linear_conv_kernel_dim {family.conv_kernel_dim} must be at least 2")
     return ModelConfig(
         model_type=raw["model_type"],
-        architecture=(raw.get("architectures") or [QWEN3_5_ARCHITECTURE])[0],
+        architecture=(raw.get("architectures") or [default_architecture])[0],
         text=text,
         vision=vision,
         image_token_id=int(raw.get("image_token_id", 248056)),
@@ -137,3 +161,21 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
         family_config=family,
     )
+
+
+def _parse_moe(t: dict[str, Any]) -> MoeConfig:
+    """Qwen3.5-MoE routes every layer and always renormalises its top-k weights."""
+    config = MoeConfig(
+        num_experts=int(require(t, "num_experts", "the text config")),
+        num_experts_per_tok=int(require(t, "num_experts_per_tok", "the text config")),
+        moe_intermediate_size=int(require(t, "moe_intermediate_size", "the text config")),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    )
+    if not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok {config.num_experts_per_tok} must be in 1..num_experts "
+            f"({config.num_experts})"
+        )
+    return config

@@ -2,7 +2,8 @@
 conv and recurrent states of fixed size, vlmserve.attention.state), every few a gated full
 attention over the paged KV cache (an output gate from the query projection, q/k RMS norms,
 interleaved M-RoPE on the first rotary_dim dimensions of each head). RMS norms scale by
-(1 + weight), as published; the MLP is Qwen3's SwiGLU."""
+(1 + weight), as published; the MLP is Qwen3's SwiGLU, or in the MoE model Qwen3-VL-MoE's routed
+experts plus a shared expert gated by a sigmoid per token."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from vlmserve.families.qwen3_5.deltanet import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_step,
 )
-from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary, Qwen3MLP
+from vlmserve.families.qwen3_vl.config import MoeConfig
+from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary, Qwen3MLP, Qwen3MoeBlock
 from vlmserve.models.layers import Linear, apply_rotary
 
 
@@ -156,6 +158,20 @@ def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
+class Qwen35SparseMoeBlock(Qwen3MoeBlock):
+    """Qwen3-VL-MoE's router and grouped experts, plus a shared SwiGLU expert every token goes
+    through, its output scaled by sigmoid(shared_expert_gate(x)) (one scalar per token)."""
+
+    def __init__(self, config: TextConfig, moe: MoeConfig, shared_intermediate_size: int) -> None:
+        super().__init__(config, moe)
+        self.shared_expert = Qwen3MLP(config.hidden_size, shared_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [n, 1] * [n, hidden]
+        return super().forward(x) + shared
+
+
 class Qwen35DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, family: Qwen35FamilyConfig, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -164,7 +180,11 @@ class Qwen35DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, family)
         else:
             self.self_attn = GatedAttention(config, backend)
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp: nn.Module = (
+            Qwen35SparseMoeBlock(config, family.moe, family.shared_expert_intermediate_size)
+            if family.moe is not None
+            else Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        )
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,5 +1,5 @@
-"""Qwen3.5: Qwen3-VL's vision tower (without DeepStack) fills the placeholder tokens, and the
-hybrid decoder (decoder.py) reads them."""
+"""Qwen3.5 and Qwen3.5-MoE: Qwen3-VL's vision tower (without DeepStack) fills the placeholder
+tokens, and the hybrid decoder (decoder.py) reads them."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ class Qwen35ForConditionalGeneration(VLModel):
         text, f = self.config.text, self.family
         q_size = text.num_attention_heads * text.head_dim
         kv_size = text.num_key_value_heads * text.head_dim
-        i = text.intermediate_size
+        i = text.intermediate_size  # the dense MLP's width, or the MoE model's shared expert's
+        moe = f.moe
+        e_i = 0 if moe is None else moe.moe_intermediate_size
         offsets = {
             # Full attention: per head [query | gate], as published in q_proj.
             ("qkv_proj", "q"): (0, 2 * q_size),
@@ -90,6 +92,9 @@ class Qwen35ForConditionalGeneration(VLModel):
             ("in_proj", "z"): (f.conv_dim, f.value_dim),
             ("in_proj", "b"): (f.conv_dim + f.value_dim, f.num_v_heads),
             ("in_proj", "a"): (f.conv_dim + f.value_dim + f.num_v_heads, f.num_v_heads),
+            # One routed expert's row of experts.gate_up_proj [experts, gate | up, hidden].
+            ("experts", "gate"): (0, e_i),
+            ("experts", "up"): (e_i, e_i),
         }
         embed_dim = self.config.vision.embed_dim
         return WeightTable(
@@ -106,6 +111,13 @@ class Qwen35ForConditionalGeneration(VLModel):
                 "in_proj_a": ("in_proj", "a"),
             },
             shards=lambda param, shard: offsets[(param.rsplit(".", 2)[-2], shard)],
+            # The MoE model's experts as published (and as transformers saves them): one by one,
+            # experts.<e>.gate_proj / up_proj / down_proj, stacked here per layer.
+            experts={
+                "gate_proj": ("gate_up_proj", "gate"),
+                "up_proj": ("gate_up_proj", "up"),
+                "down_proj": ("down_proj", None),
+            },
             reshape={"visual.patch_embed.proj.weight": lambda w: w.reshape(embed_dim, -1)},
             # The published checkpoints carry a multi-token-prediction head (mtp.*) vlmserve does not run.
             ignore=lambda name: (
@@ -117,3 +129,11 @@ class Qwen35ForConditionalGeneration(VLModel):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weights(self, weights, self.weight_table())
+
+
+class Qwen35MoeForConditionalGeneration(Qwen35ForConditionalGeneration):
+    """The same model with a routed mixture of experts and a shared expert in every layer."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        assert isinstance(config.family_config, Qwen35FamilyConfig) and config.family_config.moe is not None
+        super().__init__(config, backend)

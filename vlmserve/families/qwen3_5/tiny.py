@@ -3,7 +3,10 @@ config.json (text_config with layer_types and full_attention_interval, the linea
 rope_parameters holding mrope_section, mrope_interleaved and partial_rotary_factor; vision_config
 without DeepStack), weights under the published names (linear_attn.in_proj_qkv / in_proj_z /
 in_proj_b / in_proj_a / conv1d / dt_bias / A_log / norm / out_proj, self_attn.q_proj holding
-query and gate per head). Tokenizer, chat template and processor configs are Qwen3-VL's (the
+query and gate per head). The MoE preset (`make-tiny --arch qwen3_5_moe`) writes Qwen3.5-MoE:
+every layer's MLP as mlp.gate (the router), experts one by one (mlp.experts.<e>.gate_proj /
+up_proj / down_proj, as published and as transformers saves them), mlp.shared_expert.* and
+mlp.shared_expert_gate. Tokenizer, chat template and processor configs are Qwen3-VL's (the
 published Qwen3.5 vocabulary is larger; a tiny checkpoint names its special ids in config.json)."""
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ class TinySpec:
     num_position_embeddings: int = 64
     tie_word_embeddings: bool = True
     dtype: str = "bfloat16"
+    # MoE (Qwen3.5-MoE) when num_experts > 0: 2 * moe_intermediate_size differs from hidden_size
+    # and from the shared expert's width, so a weight loaded transposed or into the wrong expert fails.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 24
+    shared_expert_intermediate_size: int = 40
 
     @property
     def layer_types(self) -> list[str]:
@@ -49,7 +58,8 @@ class TinySpec:
         ]
 
 
-PRESETS = {"tiny": TinySpec()}
+MOE_SPEC = TinySpec(num_experts=6, tie_word_embeddings=False)
+PRESETS = {("qwen3_5", "tiny"): TinySpec(), ("qwen3_5_moe", "tiny"): MOE_SPEC}
 
 
 def config_json(spec: TinySpec) -> dict[str, object]:
@@ -88,8 +98,19 @@ def config_json(spec: TinySpec) -> dict[str, object]:
         "use_cache": True,
         "vocab_size": VOCAB_SIZE,
     }
+    if spec.num_experts:
+        del text["intermediate_size"]  # no dense MLP
+        text |= {
+            "model_type": "qwen3_5_moe_text",
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+            "router_aux_loss_coef": 0.001,
+        }
+    moe = "_moe" if spec.num_experts else ""
     vision = {
-        "model_type": "qwen3_5_vision",
+        "model_type": f"qwen3_5{moe}_vision",
         "depth": spec.vision_depth,
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_size": spec.vision_hidden_size,
@@ -104,8 +125,8 @@ def config_json(spec: TinySpec) -> dict[str, object]:
         "temporal_patch_size": 2,
     }
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": f"qwen3_5{moe}",
         "dtype": spec.dtype,
         "image_token_id": 151655,
         "video_token_id": 151656,
@@ -162,10 +183,31 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         w |= {
             p + "input_layernorm.weight": vec(h, 0.0, 0.1),
             p + "post_attention_layernorm.weight": vec(h, 0.0, 0.1),
-            p + "mlp.gate_proj.weight": linear(i, h),
-            p + "mlp.up_proj.weight": linear(i, h),
-            p + "mlp.down_proj.weight": linear(h, i),
         }
+        if spec.num_experts:
+            mi, si = spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+            # Expert outputs at half scale: three of them per token (two routed, the shared one)
+            # keep the residual stream about the dense model's size.
+            w[p + "mlp.gate.weight"] = linear(spec.num_experts, h)
+            for e in range(spec.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                w |= {
+                    x + "gate_proj.weight": linear(mi, h),
+                    x + "up_proj.weight": linear(mi, h),
+                    x + "down_proj.weight": 0.5 * linear(h, mi),
+                }
+            w |= {
+                p + "mlp.shared_expert.gate_proj.weight": linear(si, h),
+                p + "mlp.shared_expert.up_proj.weight": linear(si, h),
+                p + "mlp.shared_expert.down_proj.weight": 0.5 * linear(h, si),
+                p + "mlp.shared_expert_gate.weight": linear(1, h),
+            }
+        else:
+            w |= {
+                p + "mlp.gate_proj.weight": linear(i, h),
+                p + "mlp.up_proj.weight": linear(i, h),
+                p + "mlp.down_proj.weight": linear(h, i),
+            }
     w[lm + "norm.weight"] = vec(h, 0.0, 0.1)
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
