@@ -24,10 +24,10 @@ def test_a_failing_request_is_aborted_and_the_rest_of_the_batch_is_unchanged(
     sampler = llm.llm_engine.runner.sampler
     original = type(sampler).__call__
 
-    def failing(self, logits: torch.Tensor, params: list[SamplingParams], generators, histories=None):  # type: ignore[no-untyped-def]
+    def failing(self, logits: torch.Tensor, params: list[SamplingParams], *rest):  # type: ignore[no-untyped-def]
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("injected sampler failure")
-        return original(self, logits, params, generators, histories)
+        return original(self, logits, params, *rest)
 
     monkeypatch.setattr(type(sampler), "__call__", failing)
     poisoned = SamplingParams(temperature=0.8, seed=POISON_SEED, max_tokens=6, ignore_eos=True)

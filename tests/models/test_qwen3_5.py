@@ -452,11 +452,11 @@ def test_a_failed_step_fails_its_requests_frees_their_state_and_the_engine_goes_
     original = type(sampler).__call__
     calls = [0]
 
-    def failing(self, logits, params, generators, histories=None):  # type: ignore[no-untyped-def]
+    def failing(self, logits, params, *rest):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if calls[0] == 3:  # both requests have state by then
             raise RuntimeError("injected sampler failure")
-        return original(self, logits, params, generators, histories)
+        return original(self, logits, params, *rest)
 
     monkeypatch.setattr(type(sampler), "__call__", failing)
     outputs = llm.generate(prompts, params)

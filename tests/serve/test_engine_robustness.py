@@ -143,14 +143,14 @@ def _poison_sampler(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
     real = core.runner.sampler
     calls = [0]
 
-    def sampler(logits, params, generators, histories=None):  # type: ignore[no-untyped-def]
+    def sampler(logits, params, generators, *rest):  # type: ignore[no-untyped-def]
         poisoned = [i for i, p in enumerate(params) if p.seed == POISON_SEED]
         calls[0] += bool(poisoned)
         if poisoned and calls[0] >= 3:
-            before = None if histories is None else histories[: poisoned[0]]
-            real(logits[: poisoned[0]], params[: poisoned[0]], generators[: poisoned[0]], before)
+            k = poisoned[0]  # the rows before it, with their histories (no grammar in this test)
+            real(logits[:k], params[:k], generators[:k], *[None if r is None else r[:k] for r in rest])
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, generators, histories)
+        return real(logits, params, generators, *rest)
 
     monkeypatch.setattr(core.runner, "sampler", sampler)
 

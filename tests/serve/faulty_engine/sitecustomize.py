@@ -16,9 +16,9 @@ if _seed is not None:
     _poison = int(_seed)
     _real = Sampler.__call__
 
-    def _poisoned(self, logits, params, generators, histories=None):  # type: ignore[no-untyped-def]
+    def _poisoned(self, logits, params, *rest):  # type: ignore[no-untyped-def]
         if any(p.seed == _poison for p in params):
             raise RuntimeError("injected sampler failure at /srv/secret/weights 0x7f3a2c")
-        return _real(self, logits, params, generators, histories)
+        return _real(self, logits, params, *rest)
 
     Sampler.__call__ = _poisoned  # type: ignore[method-assign]
