@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config, require
-from vlmserve.families.qwen3_vl.config import MoeConfig
+from vlmserve.config import ModelConfig, checkpoint_dtype, parse_text_config, require
+from vlmserve.families.qwen3_vl.config import MoeConfig, parse_vision_config
 
 QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
@@ -106,29 +106,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
             f"config.json: text_config.layer_types must name {num_layers} layers, each one of {list(LAYER_TYPES)}; "
             f"got {len(layer_types)}{f' with {bad}' if bad else ''}"
         )
-    v = raw.get("vision_config") or {}
-    vision = VisionConfig(
-        depth=int(v.get("depth", 27)),
-        embed_dim=int(v.get("hidden_size", 1152)),
-        num_heads=int(v.get("num_heads", 16)),
-        mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
-        hidden_size=int(v.get("out_hidden_size", text.hidden_size)),
-        in_channels=int(v.get("in_channels", 3)),
-        patch_size=int(v.get("patch_size", 16)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
-        rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        intermediate_size=int(v.get("intermediate_size", 4304)),
-    )
-    if vision.hidden_size != text.hidden_size:
-        raise ValueError(
-            f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
-            f"model's hidden_size {text.hidden_size}"
-        )
-    num_positions = int(v.get("num_position_embeddings", 2304))
-    if int(num_positions**0.5) ** 2 != num_positions:
-        raise ValueError(f"config.json: vision_config.num_position_embeddings {num_positions} must be a square")
+    vision, num_positions = parse_vision_config(raw.get("vision_config") or {}, text.hidden_size)
     family = Qwen35FamilyConfig(
         layer_types=layer_types,
         conv_kernel_dim=int(text_raw.get("linear_conv_kernel_dim", 4)),

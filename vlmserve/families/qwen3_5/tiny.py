@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vlmserve.families.qwen3_vl.tiny import write_checkpoint
+from vlmserve.families.qwen3_vl.tiny import vision_weights, write_checkpoint
 from vlmserve.model_files import VOCAB_SIZE
 
 
@@ -212,38 +212,15 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
 
-    e, mlp = spec.vision_hidden_size, spec.vision_intermediate_size
-    vis = "model.visual."
-    w |= {
-        vis + "patch_embed.proj.weight": torch.randn(e, 3, 2, 16, 16, generator=g) / (3 * 2 * 16 * 16) ** 0.5,
-        vis + "patch_embed.proj.bias": vec(e, std=0.1),
-        vis + "pos_embed.weight": torch.randn(spec.num_position_embeddings, e, generator=g),
-    }
-    for block in range(spec.vision_depth):
-        p = f"{vis}blocks.{block}."
-        w |= {
-            p + "norm1.weight": vec(e, 1.0, 0.1),
-            p + "norm1.bias": vec(e),
-            p + "norm2.weight": vec(e, 1.0, 0.1),
-            p + "norm2.bias": vec(e),
-            p + "attn.qkv.weight": linear(3 * e, e),
-            p + "attn.qkv.bias": vec(3 * e, std=0.1),
-            p + "attn.proj.weight": linear(e, e),
-            p + "attn.proj.bias": vec(e),
-            p + "mlp.linear_fc1.weight": linear(mlp, e),
-            p + "mlp.linear_fc1.bias": vec(mlp),
-            p + "mlp.linear_fc2.weight": linear(e, mlp),
-            p + "mlp.linear_fc2.bias": vec(e),
-        }
-    merged = 4 * e
-    w |= {
-        vis + "merger.norm.weight": vec(e, 1.0, 0.1),
-        vis + "merger.norm.bias": vec(e),
-        vis + "merger.linear_fc1.weight": linear(merged, merged),
-        vis + "merger.linear_fc1.bias": vec(merged),
-        vis + "merger.linear_fc2.weight": linear(h, merged),
-        vis + "merger.linear_fc2.bias": vec(h),
-    }
+    w |= vision_weights(  # Qwen3-VL's tower without DeepStack
+        g,
+        width=spec.vision_hidden_size,
+        intermediate=spec.vision_intermediate_size,
+        depth=spec.vision_depth,
+        num_positions=spec.num_position_embeddings,
+        out_hidden=h,
+        num_deepstack=0,
+    )
     dtype = getattr(torch, spec.dtype)
     return {name: t.to(dtype).contiguous() for name, t in w.items()}
 

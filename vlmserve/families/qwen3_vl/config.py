@@ -58,20 +58,15 @@ def parse_qwen3_vl_moe_config(raw: dict[str, Any]) -> ModelConfig:
     return _parse(raw, QWEN3_VL_MOE_ARCHITECTURE, moe=True)
 
 
-def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
-    text_raw: dict[str, Any] = raw.get("text_config") or raw
-    text_raw = {"head_dim": 128, **text_raw} if not moe else text_raw  # Qwen3VLTextConfig's default
-    text = parse_text_config(text_raw, raw)
-    if text.mrope_section is None or len(text.mrope_section) != 3:
-        raise ValueError("config.json: text_config.rope_parameters needs an mrope_section of three numbers")
-    rope = text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {}
-    v = raw.get("vision_config") or {}
+def parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> tuple[VisionConfig, int]:
+    """The Qwen3-VL vision tower's config.json section (Qwen3.5 has the same tower): its
+    VisionConfig and the number of learned position embeddings (a square)."""
     vision = VisionConfig(
         depth=int(v.get("depth", 27)),
         embed_dim=int(v.get("hidden_size", 1152)),
         num_heads=int(v.get("num_heads", 16)),
         mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
-        hidden_size=int(v.get("out_hidden_size", text.hidden_size)),
+        hidden_size=int(v.get("out_hidden_size", text_hidden_size)),
         in_channels=int(v.get("in_channels", 3)),
         patch_size=int(v.get("patch_size", 16)),
         temporal_patch_size=int(v.get("temporal_patch_size", 2)),
@@ -80,11 +75,26 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         intermediate_size=int(v.get("intermediate_size", 4304)),
     )
-    if vision.hidden_size != text.hidden_size:
+    if vision.hidden_size != text_hidden_size:
         raise ValueError(
             f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
-            f"model's hidden_size {text.hidden_size}"
+            f"model's hidden_size {text_hidden_size}"
         )
+    num_positions = int(v.get("num_position_embeddings", 2304))
+    if int(num_positions**0.5) ** 2 != num_positions:
+        raise ValueError(f"config.json: vision_config.num_position_embeddings {num_positions} must be a square")
+    return vision, num_positions
+
+
+def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
+    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    text_raw = {"head_dim": 128, **text_raw} if not moe else text_raw  # Qwen3VLTextConfig's default
+    text = parse_text_config(text_raw, raw)
+    if text.mrope_section is None or len(text.mrope_section) != 3:
+        raise ValueError("config.json: text_config.rope_parameters needs an mrope_section of three numbers")
+    rope = text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {}
+    v = raw.get("vision_config") or {}
+    vision, num_positions = parse_vision_config(v, text.hidden_size)
     deepstack = tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24)))
     bad = [i for i in deepstack if not 0 <= i < vision.depth]
     if bad or len(set(deepstack)) != len(deepstack):
@@ -97,9 +107,6 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
             f"config.json: {len(deepstack)} DeepStack features need as many decoder layers, the model has "
             f"{text.num_hidden_layers}"
         )
-    num_positions = int(v.get("num_position_embeddings", 2304))
-    if int(num_positions**0.5) ** 2 != num_positions:
-        raise ValueError(f"config.json: vision_config.num_position_embeddings {num_positions} must be a square")
     family = Qwen3VLFamilyConfig(
         deepstack_visual_indexes=deepstack,
         num_position_embeddings=num_positions,

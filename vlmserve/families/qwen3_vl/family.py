@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,11 @@ def make_processor(ctx: ProcessorContext, tokenizer: Tokenizer) -> Qwen3VLProces
     )
 
 
-def _writer(arch: str) -> Any:
+def preset_writer(arch: str, presets: dict[tuple[str, str], Any], write: Any) -> Any:
+    """ModelFamily.write_tiny for a family published in the nested layout only: `preset` picks
+    `presets[(arch, preset)]`, `untied` unties its embedding, then `write(out_dir, spec, seed=,
+    num_shards=)` writes it."""
+
     def write_tiny(
         out_dir: str | Path,
         *,
@@ -62,15 +67,13 @@ def _writer(arch: str) -> Any:
         nested_config: bool = False,
         untied: bool = False,
     ) -> Path:
-        del nested_config  # Qwen3-VL is published in the nested layout only
-        if (arch, preset) not in PRESETS:
-            raise ValueError(f"no preset {preset!r}; choose one of {sorted(p for a, p in PRESETS if a == arch)}")
-        spec = PRESETS[(arch, preset)]
+        del nested_config  # the nested layout is the only one published
+        if (arch, preset) not in presets:
+            raise ValueError(f"no preset {preset!r}; choose one of {sorted(p for a, p in presets if a == arch)}")
+        spec = presets[(arch, preset)]
         if untied:
-            import dataclasses
-
             spec = dataclasses.replace(spec, tie_word_embeddings=False)
-        return write_tiny_qwen3_vl(out_dir, spec, seed=seed, num_shards=num_shards)
+        return write(out_dir, spec, seed=seed, num_shards=num_shards)
 
     return write_tiny
 
@@ -99,7 +102,7 @@ QWEN3_VL = ModelFamily(
     display_name="Qwen3-VL",
     parse_config=parse_qwen3_vl_config,
     model_class=Qwen3VLForConditionalGeneration,
-    write_tiny=_writer("qwen3_vl"),
+    write_tiny=preset_writer("qwen3_vl", PRESETS, write_tiny_qwen3_vl),
     transformers_class="Qwen3VLForConditionalGeneration",
     **_COMMON,
 )
@@ -111,7 +114,7 @@ QWEN3_VL_MOE = ModelFamily(
     display_name="Qwen3-VL-MoE",
     parse_config=parse_qwen3_vl_moe_config,
     model_class=Qwen3VLMoeForConditionalGeneration,
-    write_tiny=_writer("qwen3_vl_moe"),
+    write_tiny=preset_writer("qwen3_vl_moe", PRESETS, write_tiny_qwen3_vl),
     transformers_class="Qwen3VLMoeForConditionalGeneration",
     **_COMMON,
 )

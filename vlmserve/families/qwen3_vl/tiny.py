@@ -293,14 +293,45 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
 
-    e, mlp = spec.vision_hidden_size, spec.vision_intermediate_size
-    vis = "model.visual."
-    w |= {
+    w |= vision_weights(
+        g,
+        width=spec.vision_hidden_size,
+        intermediate=spec.vision_intermediate_size,
+        depth=spec.vision_depth,
+        num_positions=spec.num_position_embeddings,
+        out_hidden=h,
+        num_deepstack=len(spec.deepstack_visual_indexes),
+    )
+    dtype = getattr(torch, spec.dtype)
+    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+
+
+def vision_weights(
+    g: torch.Generator,
+    *,
+    width: int,
+    intermediate: int,
+    depth: int,
+    num_positions: int,
+    out_hidden: int,
+    num_deepstack: int,
+) -> dict[str, torch.Tensor]:
+    """The Qwen3-VL vision tower's weights under `model.visual.` (Qwen3.5 has the same tower,
+    without DeepStack mergers), drawn from `g` in a fixed order."""
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
+        return mean + std * torch.randn(n, generator=g)
+
+    e, mlp, vis = width, intermediate, "model.visual."
+    w = {
         vis + "patch_embed.proj.weight": torch.randn(e, 3, 2, 16, 16, generator=g) / (3 * 2 * 16 * 16) ** 0.5,
         vis + "patch_embed.proj.bias": vec(e, std=0.1),
-        vis + "pos_embed.weight": torch.randn(spec.num_position_embeddings, e, generator=g),
+        vis + "pos_embed.weight": torch.randn(num_positions, e, generator=g),
     }
-    for block in range(spec.vision_depth):
+    for block in range(depth):
         p = f"{vis}blocks.{block}."
         w |= {
             p + "norm1.weight": vec(e, 1.0, 0.1),
@@ -317,19 +348,17 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "mlp.linear_fc2.bias": vec(e),
         }
     merged = 4 * e
-    mergers = ["merger."] + [f"deepstack_merger_list.{k}." for k in range(len(spec.deepstack_visual_indexes))]
-    for p in mergers:
+    for p in ["merger."] + [f"deepstack_merger_list.{k}." for k in range(num_deepstack)]:
         norm = e if p == "merger." else merged  # the DeepStack mergers normalise after the 2x2 concatenation
         w |= {
             vis + p + "norm.weight": vec(norm, 1.0, 0.1),
             vis + p + "norm.bias": vec(norm),
             vis + p + "linear_fc1.weight": linear(merged, merged),
             vis + p + "linear_fc1.bias": vec(merged),
-            vis + p + "linear_fc2.weight": linear(h, merged),
-            vis + p + "linear_fc2.bias": vec(h),
+            vis + p + "linear_fc2.weight": linear(out_hidden, merged),
+            vis + p + "linear_fc2.bias": vec(out_hidden),
         }
-    dtype = getattr(torch, spec.dtype)
-    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+    return w
 
 
 def _tokenizer_config() -> dict[str, object]:
