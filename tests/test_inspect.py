@@ -122,3 +122,29 @@ def load_packed(path: Path):  # type: ignore[no-untyped-def]
     from vlmserve.models.quant import read_packed_config
 
     return read_packed_config(path / "config.json")
+
+
+def test_tensor_parallel_shares(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2-VL-2B (12 query heads, 2 KV heads) over 2 and 4 ranks: each rank holds 1/N of the
+    sharded weights plus the replicated rest (the same rest whatever N), and its KV heads: 1 of 2
+    at N = 2, 1 replicated at N = 4."""
+    config = parse_model_config(QWEN2_VL_2B)
+    total = inspect_config(config, torch.bfloat16).weight_bytes
+    two = inspect_config(config, torch.bfloat16, tensor_parallel_size=2)
+    four = inspect_config(config, torch.bfloat16, tensor_parallel_size=4)
+    assert len(set(two.rank_weight_bytes)) == len(set(four.rank_weight_bytes)) == 1
+    replicated = 2 * two.rank_weight_bytes[0] - total
+    assert 0 < replicated < 0.01 * total
+    # At N = 4 every rank holds one whole KV head of k_proj / v_proj (weight and bias), half of
+    # them rather than a quarter: 4 ranks together hold them twice.
+    kv_projections = 28 * 2 * (2 * 128 * 1536 + 2 * 128) * 2
+    assert 4 * four.rank_weight_bytes[0] - total == 3 * replicated + kv_projections
+    assert two.rank_kv_bytes_per_token == (28 * 2 * 1 * 128 * 2,) * 2
+    assert four.rank_kv_bytes_per_token == (28 * 2 * 1 * 128 * 2,) * 4
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_2B))
+    assert main(["inspect", str(tmp_path), "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"rank 1: weights {two.rank_weight_bytes[1]:,} bytes" in out
+    assert main(["inspect", str(tmp_path), "--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "the vision tower's number of attention heads (16) is not divisible by tensor_parallel_size 3" in err

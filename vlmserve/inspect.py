@@ -15,6 +15,7 @@ from vlmserve.attention import TorchAttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.state import SequenceState
 from vlmserve.config import ModelConfig
+from vlmserve.distributed import simulated_tensor_parallel
 from vlmserve.models.quant.packed import PackedConfig
 from vlmserve.models.quant.sizes import quantized_weight_bytes
 from vlmserve.registry import family_of, load_model_config
@@ -47,6 +48,10 @@ class ModelReport:
     quantization: str = ""
     quantized_bytes: int = 0
     quantized_linears: int = 0
+    # Under tensor parallelism (tensor_parallel_size > 1): the weight bytes and the KV cache bytes
+    # per token each rank holds, rank 0 first (the model built as that rank's shard).
+    rank_weight_bytes: tuple[int, ...] = ()
+    rank_kv_bytes_per_token: tuple[int, ...] = ()
 
     @property
     def blocks(self) -> int:
@@ -86,10 +91,34 @@ def load_config(path: str | Path) -> ModelConfig:
     return load_model_config(p)
 
 
-def inspect_config(
-    config: ModelConfig, dtype: torch.dtype, quantization: str | PackedConfig | None = None
-) -> ModelReport:
+def _kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    return sum(2 * m.num_kv_heads * m.head_dim for m in layers) * _itemsize(dtype)
+
+
+def rank_shares(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int) -> tuple[list[int], list[int]]:
+    """(weight bytes, KV cache bytes per token) of each rank: the model built on the meta device
+    as each rank's shard (a simulated group: nothing runs)."""
     family = family_of(config)
+    weights, kv = [], []
+    for rank in range(tensor_parallel_size):
+        with simulated_tensor_parallel(rank, tensor_parallel_size), torch.device("meta"):
+            model = family.model_class(config, TorchAttentionBackend())
+        weights.append(_count(model) * _itemsize(dtype))
+        kv.append(_kv_bytes_per_token(model, dtype))
+    return weights, kv
+
+
+def inspect_config(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    quantization: str | PackedConfig | None = None,
+    tensor_parallel_size: int = 1,
+) -> ModelReport:
+    """tensor_parallel_size > 1 adds each rank's share (a family that cannot be sharded, or
+    head counts that do not divide, raise ValueError)."""
+    family = family_of(config)
+    rank_weights, rank_kv = rank_shares(config, dtype, tensor_parallel_size) if tensor_parallel_size > 1 else ([], [])
     with torch.device("meta"):
         model = family.model_class(config, TorchAttentionBackend())
     parts = family.inspect_parts
@@ -97,7 +126,7 @@ def inspect_config(
     assert isinstance(blocks, nn.ModuleList)
     lm_head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    per_token = sum(2 * m.num_kv_heads * m.head_dim for m in layers) * _itemsize(dtype)
+    per_token = _kv_bytes_per_token(model, dtype)
     first = layers[0]
     states = [m for m in model.modules() if isinstance(m, SequenceState)]
     state_layout = ""
@@ -138,6 +167,8 @@ def inspect_config(
         quantization=quant_name,
         quantized_bytes=quant_bytes,
         quantized_linears=quant_linears,
+        rank_weight_bytes=tuple(rank_weights),
+        rank_kv_bytes_per_token=tuple(rank_kv),
     )
 
 
@@ -171,6 +202,13 @@ def format_report(r: ModelReport) -> str:
         )
     per_token = r.kv_bytes_per_token
     lines.append(f"KV cache per token in {dtype}: {per_token:,} bytes ({per_token / 2**10:.0f} KiB; {r.kv_layout})")
+    if r.rank_weight_bytes:
+        n_ranks = len(r.rank_weight_bytes)
+        lines.append(f"tensor parallel, {n_ranks} ranks (weights in {dtype}; KV cache per token):")
+        lines += [
+            f"  rank {rank}: weights {_bytes(w)}, KV cache {kv:,} bytes per token"
+            for rank, (w, kv) in enumerate(zip(r.rank_weight_bytes, r.rank_kv_bytes_per_token, strict=True))
+        ]
     if r.state_bytes_per_request:
         lines.append(f"state per request: {_bytes(r.state_bytes_per_request)} ({r.state_layout})")
     return "\n".join(lines)

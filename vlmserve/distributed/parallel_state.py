@@ -6,6 +6,8 @@ the device."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,3 +84,18 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_group.size)]
     dist.all_gather(parts, x.contiguous(), group=_group.device_group)
     return torch.cat(parts, dim=dim)
+
+
+@contextlib.contextmanager
+def simulated_tensor_parallel(rank: int, size: int) -> Iterator[TensorParallelGroup]:
+    """Answer as rank `rank` of `size` with no process group, for building a model's shard (on
+    the meta device, to count what each rank would hold) only: a collective run under it fails."""
+    global _group
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
+    previous = _group
+    _group = TensorParallelGroup(rank=rank, size=size, device_group=None, cpu_group=None)
+    try:
+        yield _group
+    finally:
+        _group = previous

@@ -236,6 +236,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
         help="also show the weights' size under int8 weight-only quantization (an AWQ/GPTQ checkpoint's "
         "packed size is shown without it)",
     )
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="also show each rank's weight bytes")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -255,7 +256,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if packed is not None and args.quantization is not None:
         raise UsageError(f"--quantization {args.quantization}: the checkpoint is already quantized ({packed.method})")
     dtype = parse_dtype(args.dtype, config.checkpoint_dtype or parse_dtype("bfloat16"))
-    print(format_report(inspect_config(config, dtype, packed or args.quantization)))
+    try:
+        report = inspect_config(config, dtype, packed or args.quantization, args.tensor_parallel_size)
+    except ValueError as e:  # a family or head count that cannot be sharded that way
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}") from None
+    print(format_report(report))
     return 0
 
 

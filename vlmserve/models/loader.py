@@ -1,4 +1,6 @@
-"""Table-driven weight loading: checkpoint names map onto (possibly fused) parameters."""
+"""Table-driven weight loading: checkpoint names map onto (possibly fused) parameters. Under
+tensor parallelism a parameter whose module declares a ShardSpec (models/parallel.py) takes only
+its rank's slice of each checkpoint tensor (its own offsets replace the table's `shards`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from vlmserve.models.parallel import spec_of
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class WeightTable:
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: WeightTable) -> None:
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
@@ -74,10 +79,23 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                 raise ValueError(f"weight {ckpt_name}: expert {expert}, the model has {target.shape[0]} experts")
             target = target[expert]
             key = f"{name}#{expert}"
-        if shard is not None:
+        owner, _, attr = name.rpartition(".")
+        spec = spec_of(modules[owner], attr)
+        if spec is not None:
+            # The rank's slice (all of it at tp_size 1); a stacked expert's row has one dim less.
+            dim = spec.dim - (expert is not None)
+            if tensor.ndim <= dim or tensor.shape[dim] != spec.full_size(shard):
+                raise ValueError(
+                    f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                    f"{spec.full_size(shard)} along dimension {dim}"
+                )
+            start, size, tensor = spec.narrow(tensor, shard, dim)
+            target = target.narrow(dim, start, size)
+        elif shard is not None:
             assert table.shards is not None
             start, size = table.shards(name, shard)
             target = target.narrow(0, start, size)
+        if shard is not None:
             key = f"{key}#{shard}"
         loaded.add(key)
         if target.shape != tensor.shape:

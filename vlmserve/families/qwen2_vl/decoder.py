@@ -10,7 +10,8 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
-from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_parts
 
 
 class MRotaryEmbedding:
@@ -40,14 +41,16 @@ class MRotaryEmbedding:
 class Qwen2Attention(nn.Module):
     def __init__(self, config: TextConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # This rank's heads (all of them at tensor_parallel_size 1).
+        *parts, self.num_heads, self.num_kv_heads = head_parts(
+            config.num_attention_heads, config.num_key_value_heads, self.head_dim
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections fused into one matmul; loaded from q_proj / k_proj / v_proj.
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=True, names=("q", "k", "v"))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,8 +67,9 @@ class Qwen2MLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Qwen2 MLP expects hidden_act 'silu', config has {config.hidden_act!r}")
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        i = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [i, i], bias=False, names=("0", "1"))
+        self.down_proj = RowParallelLinear(i, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +92,7 @@ class Qwen2DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     def __init__(self, config: TextConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([Qwen2DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)

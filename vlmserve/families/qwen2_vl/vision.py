@@ -11,6 +11,7 @@ from torch import nn
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
 from vlmserve.models.layers import Linear, get_activation, rotate_half
+from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, head_parts
 
 
 def vision_rotary_positions(grid_thw: list[tuple[int, int, int]], merge_size: int) -> torch.Tensor:
@@ -55,10 +56,11 @@ class VisionRotaryEmbedding:
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=True)
-        self.proj = Linear(dim, dim, bias=True)
+        # This rank's heads: the checkpoint's fused [q | k | v] rows narrowed head-wise in each part.
+        q, k, v, self.num_heads, _ = head_parts(num_heads, num_heads, self.head_dim, "the vision tower")
+        self.qkv = ColumnParallelLinear(dim, [q, k, v], bias=True)
+        self.proj = RowParallelLinear(dim, dim, bias=True)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -74,8 +76,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
-        self.fc1 = Linear(dim, hidden_dim)
-        self.fc2 = Linear(hidden_dim, dim)
+        self.fc1 = ColumnParallelLinear.split(dim, [hidden_dim], bias=True)
+        self.fc2 = RowParallelLinear(hidden_dim, dim, bias=True)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +111,11 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = context_dim * merge_size**2
         self.ln_q = norm(context_dim)
-        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(
+            ColumnParallelLinear.split(self.hidden, [self.hidden], bias=True),
+            nn.GELU(),
+            RowParallelLinear(self.hidden, out_dim, bias=True),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))

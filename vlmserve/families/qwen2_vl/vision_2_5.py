@@ -26,7 +26,8 @@ from vlmserve.families.qwen2_vl.vision import (
     vision_cu_seqlens,
     vision_rotary_positions,
 )
-from vlmserve.models.layers import Linear, RMSNorm, get_activation
+from vlmserve.models.layers import RMSNorm, get_activation
+from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def window_partition(
@@ -73,8 +74,8 @@ class Qwen2_5_VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
         # Loaded from the checkpoint's gate_proj / up_proj (see Qwen2_5_VLForConditionalGeneration).
-        self.gate_up_proj = Linear(dim, 2 * hidden_dim, bias=True)
-        self.down_proj = Linear(hidden_dim, dim, bias=True)
+        self.gate_up_proj = ColumnParallelLinear.split(dim, [hidden_dim, hidden_dim], bias=True, names=("0", "1"))
+        self.down_proj = RowParallelLinear(hidden_dim, dim, bias=True)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,14 @@ from vlmserve.families.qwen3_vl.vision import Qwen3VisionTransformer
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import Linear
 from vlmserve.models.loader import WeightTable, load_weights
+from vlmserve.models.parallel import refuse_tensor_parallel
 from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class Qwen35ForConditionalGeneration(VLModel):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        # NOTE: its Gated DeltaNet layers and their per-request state are not sharded.
+        refuse_tensor_parallel("Qwen3.5 (hybrid Gated DeltaNet)")
         super().__init__()
         family = config.family_config
         assert isinstance(family, Qwen35FamilyConfig), "parsed by vlmserve.families.qwen3_5.config"

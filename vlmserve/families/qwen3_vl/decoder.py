@@ -13,8 +13,17 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
+from vlmserve.distributed import all_reduce
 from vlmserve.families.qwen3_vl.config import MoeConfig, Qwen3VLFamilyConfig
 from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    head_parts,
+    split_part,
+)
 
 
 def mrope_frequency_streams(mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
@@ -55,14 +64,16 @@ class InterleavedMRotary:
 class Qwen3Attention(nn.Module):
     def __init__(self, config: TextConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # This rank's heads (all of them at tensor_parallel_size 1).
+        *parts, self.num_heads, self.num_kv_heads = head_parts(
+            config.num_attention_heads, config.num_key_value_heads, self.head_dim
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul (no bias); loaded from q_proj / k_proj / v_proj.
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=False, names=("q", "k", "v"))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
@@ -81,8 +92,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"the Qwen3 MLP expects hidden_act 'silu', config has {hidden_act!r}")
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        i = intermediate_size
+        self.gate_up_proj = ColumnParallelLinear.split(hidden_size, [i, i], bias=False, names=("0", "1"))
+        self.down_proj = RowParallelLinear(i, hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,15 +104,30 @@ class Qwen3MLP(nn.Module):
 class Qwen3MoeExperts(nn.Module):
     """num_experts SwiGLU experts as two stacked weights (as published: fused gate/up and down,
     stored here in the [out, in] orientation of a Linear), run grouped by expert: the tokens are
-    sorted by the expert they go to, and each expert that has any runs once on its rows."""
+    sorted by the expert they go to, and each expert that has any runs once on its rows.
+
+    Tensor parallelism: tensor-parallel experts, not expert-parallel. Each rank holds every
+    expert's 1/tp_size slice of the intermediate dimension (gate/up rows, down columns: the
+    column/row split of a dense MLP) and the router is replicated, so every rank routes its
+    tokens alike and the partial sums meet in one all_reduce per block (Qwen3MoeBlock). Expert
+    parallelism would need an all-to-all dispatch of tokens to the ranks holding their experts
+    and would load ranks as unevenly as the router picks experts; this split keeps each rank's
+    weights and work an exact 1/tp_size whatever the routing, with the collective a dense MLP
+    has."""
 
     def __init__(self, config: TextConfig, moe: MoeConfig) -> None:
         super().__init__()
-        e, i, h = moe.num_experts, moe.moe_intermediate_size, config.hidden_size
+        e, h = moe.num_experts, config.hidden_size
+        part = split_part(moe.moe_intermediate_size, "moe_intermediate_size")
+        i = part.size
         # What `vlmserve inspect` reads to count the parameters a token uses.
         self.num_experts, self.num_experts_per_tok = e, moe.num_experts_per_tok
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [expert, gate | up, hidden]
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [expert, hidden, intermediate]
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [expert, gate | up (rank's rows), hidden]
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [expert, hidden, intermediate (rank's)]
+        self.tp_shards = {
+            "gate_up_proj": ShardSpec(1, (part, part), ("0", "1")),
+            "down_proj": ShardSpec(2, (part,)),
+        }
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [n, hidden]; expert_ids, weights [n, top_k] -> [n, hidden]: sum over each token's
@@ -142,7 +169,8 @@ class Qwen3MoeBlock(nn.Module):
         weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [n, top_k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, expert_ids, weights.to(logits.dtype))
+        # The experts' partial sums over this rank's slice of the intermediate dimension.
+        return all_reduce(self.experts(x, expert_ids, weights.to(logits.dtype)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -165,7 +193,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: TextConfig, family: Qwen3VLFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [Qwen3DecoderLayer(config, family.moe, i, backend) for i in range(config.num_hidden_layers)]
         )

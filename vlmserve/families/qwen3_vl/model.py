@@ -15,8 +15,8 @@ from vlmserve.families.qwen3_vl.config import Qwen3VLFamilyConfig
 from vlmserve.families.qwen3_vl.decoder import Qwen3Model
 from vlmserve.families.qwen3_vl.vision import Qwen3VisionTransformer
 from vlmserve.models.base import VLModel
-from vlmserve.models.layers import Linear
 from vlmserve.models.loader import WeightTable, load_weights
+from vlmserve.models.parallel import ParallelLMHead
 from vlmserve.multimodal.inputs import MultiModalItem
 
 
@@ -32,17 +32,13 @@ class Qwen3VLForConditionalGeneration(VLModel):
         )
         self.model = Qwen3Model(config.text, family, backend)
         # Tied checkpoints get their lm_head in tie_weights(), once the embedding is allocated.
-        self.lm_head: Linear | None = (
-            None
-            if config.text.tie_word_embeddings
-            else Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        self.lm_head: ParallelLMHead | None = (
+            None if config.text.tie_word_embeddings else ParallelLMHead(config.text.hidden_size, config.text.vocab_size)
         )
 
     def tie_weights(self) -> None:
         if self.config.text.tie_word_embeddings:
-            embed = self.model.embed_tokens.weight
-            self.lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
-            self.lm_head.weight = embed
+            self.lm_head = ParallelLMHead.tied_to(self.model.embed_tokens)
 
     # -- the model protocol -------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from torch import nn
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
 from vlmserve.models.layers import Linear, get_activation, rotate_half
+from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, head_parts
 
 
 def patch_grid_positions(grid_thw: list[tuple[int, int, int]], merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +78,11 @@ class VisionRotary:
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=True)
-        self.proj = Linear(dim, dim, bias=True)
+        # This rank's heads: the checkpoint's fused [q | k | v] rows narrowed head-wise in each part.
+        q, k, v, self.num_heads, _ = head_parts(num_heads, num_heads, self.head_dim, "the vision tower")
+        self.qkv = ColumnParallelLinear(dim, [q, k, v], bias=True)
+        self.proj = RowParallelLinear(dim, dim, bias=True)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -96,8 +98,8 @@ class VisionAttention(nn.Module):
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
         super().__init__()
-        self.linear_fc1 = Linear(dim, hidden_dim, bias=True)
-        self.linear_fc2 = Linear(hidden_dim, dim, bias=True)
+        self.linear_fc1 = ColumnParallelLinear.split(dim, [hidden_dim], bias=True)
+        self.linear_fc2 = RowParallelLinear(hidden_dim, dim, bias=True)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +130,8 @@ class PatchMerger(nn.Module):
         self.hidden = config.embed_dim * config.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.hidden if postshuffle_norm else config.embed_dim, eps=1e-6)
-        self.linear_fc1 = Linear(self.hidden, self.hidden, bias=True)
-        self.linear_fc2 = Linear(self.hidden, config.hidden_size, bias=True)
+        self.linear_fc1 = ColumnParallelLinear.split(self.hidden, [self.hidden], bias=True)
+        self.linear_fc2 = RowParallelLinear(self.hidden, config.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.hidden)) if self.postshuffle_norm else self.norm(x).view(-1, self.hidden)

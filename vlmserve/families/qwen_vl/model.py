@@ -35,6 +35,7 @@ from vlmserve.families.qwen_vl.visual import QwenVisionTransformer
 from vlmserve.models.base import VLModel
 from vlmserve.models.layers import Linear, RMSNorm, rotate_half
 from vlmserve.models.loader import WeightTable, load_weights
+from vlmserve.models.parallel import refuse_tensor_parallel
 from vlmserve.multimodal.inputs import MultiModalItem
 
 # Lengths up to seq_length * 2**MAX_DOUBLINGS get their own alpha (2**41 - 1 at most).
@@ -195,6 +196,7 @@ class QWenModel(nn.Module):
 
 class QWenLMHeadModel(VLModel):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        refuse_tensor_parallel("Qwen-VL-Chat")
         super().__init__()
         qwen_vl_config(config)  # asserts a Qwen-VL config (model_type 'qwen')
         self.config = config

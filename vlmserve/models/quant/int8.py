@@ -9,6 +9,8 @@ and stay float."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,8 @@ class Int8Linear(nn.Module):
         self.scales = nn.Parameter(scales, requires_grad=False)  # [N] fp32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # [N], model dtype
         self.kernel: Int8Kernel | None = None  # the decode kernel, bound when the model is built
+        # A tensor-parallel layer's collective after the product (models/parallel.py), kept.
+        self.collective: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # The float product for many rows (prefill), on dequantized weights: the one the model's
     # float Linear layers use (bind_linear_op binds it).
@@ -51,11 +55,15 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         q, scale = quantize_per_channel(linear.weight.detach())
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls(q, scale, bias)
+        # A row-parallel layer adds its bias on rank 0 only.
+        keep_bias = linear.bias is not None and getattr(linear, "bias_in_product", True)
+        quantized = cls(q, scale, linear.bias.detach() if keep_bias else None)
+        quantized.collective = getattr(linear, "collective", None)
+        return quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.qweight, self.scales, self.bias, self.kernel, self.op)
+        y = int8_linear(x, self.qweight, self.scales, self.bias, self.kernel, self.op)
+        return y if self.collective is None else self.collective(y)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
