@@ -7,11 +7,13 @@ parity tests (tests/models/test_qwen2_vl.py, test_qwen2_5_vl.py, test_qwen3_vl.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,7 @@ from vlmserve.distributed import simulated_tensor_parallel
 from vlmserve.families.qwen2_vl.tiny import TinySpec, _config, random_weights
 from vlmserve.families.qwen3_5.tiny import TinySpec as Qwen35Spec
 from vlmserve.families.qwen3_5.tiny import config_json as qwen3_5_config
-from vlmserve.models.parallel import head_parts
+from vlmserve.models.parallel import VocabParallelEmbedding, head_parts
 from vlmserve.registry import family_of, parse_model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,22 +44,36 @@ def test_two_ranks_spmd_match_one_process(
     dirs = [str(d) for d in (tiny_dir, tiny25_dir, tiny3_dir, tiny3_moe_dir)]
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    logs = [(tmp_path / f"{r}.log").open("w") for r in range(2)]
     ranks = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.models.tp_spmd", str(r), "2", str(port), str(tmp_path / f"{r}.json"), *dirs],
             cwd=REPO,
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
         )
         for r in range(2)
     ]
-    # The single-process runs while the group works.
-    single = {d: run_checkpoint(d) for d in dirs}
-    for r, p in enumerate(ranks):
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, f"rank {r} failed:\n{err[-3000:]}"
+    try:
+        # The single-process runs while the group works.
+        single = {d: run_checkpoint(d) for d in dirs}
+        deadline = time.monotonic() + 300
+        # A rank that fails leaves the other waiting in a collective: stop at the first failure.
+        while any(p.poll() is None for p in ranks) and all(p.poll() in (None, 0) for p in ranks):
+            assert time.monotonic() < deadline, "the tensor-parallel group did not finish in 300 s"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                next(p for p in ranks if p.poll() is None).wait(timeout=1)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    # A rank that failed by itself first (the others were killed here).
+    for r in sorted(range(2), key=lambda r: ranks[r].returncode < 0):
+        assert ranks[r].returncode == 0, f"rank {r} failed:\n{(tmp_path / f'{r}.log').read_text()[-3000:]}"
     rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
     for d in dirs:
         one, tp0, tp1 = single[d], rank0[d], rank1[d]
@@ -116,6 +132,16 @@ def test_shards_are_the_checkpoint_slices_kv_heads_replicated_past_their_count()
         rows_per_rank = vocab.shape[0] // 4
         assert torch.equal(model.model.embed_tokens.weight, vocab[rank * rows_per_rank : (rank + 1) * rows_per_rank])
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the same shard
+
+
+def test_a_vocabulary_not_divisible_is_padded_on_the_last_rank() -> None:
+    table = torch.arange(15.0).view(5, 3)  # 5 tokens
+    with simulated_tensor_parallel(1, 2):
+        embedding = VocabParallelEmbedding(5, 3)
+    assert (embedding.num_embeddings, embedding.vocab_start) == (3, 3)
+    start, size, rows = embedding.tp_shards["weight"].narrow(table, None, 0)
+    assert (start, size) == (0, 3)
+    assert torch.equal(rows, torch.cat([table[3:], torch.zeros(1, 3)]))
 
 
 def test_head_parts_refuse_what_does_not_divide() -> None:
