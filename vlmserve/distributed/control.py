@@ -5,7 +5,7 @@ request state (random sampling included).
 
 Each broadcast is tagged with what it carries. Ranks that run the same code on the same inputs
 always meet in the same broadcast; one that was left behind (it failed where rank 0 did not)
-meets a broadcast of another kind or for other requests, and raises RanksDiverged instead of
+meets a broadcast of another kind or for other requests, and raises GroupFailed instead of
 going on with state that is no longer rank 0's."""
 
 from __future__ import annotations
@@ -24,11 +24,20 @@ _sampled_encoder = msgspec.msgpack.Encoder()
 _sampled_decoder = msgspec.msgpack.Decoder(tuple[list[str], list[int]])
 
 
-class RanksDiverged(BaseException):
-    """A rank's state is no longer rank 0's: the engine cannot go on with this group.
+class GroupFailed(BaseException):
+    """The group cannot go on: a control broadcast failed (a rank died, its host is gone) or a
+    rank's state is no longer rank 0's.
 
     A BaseException, like SystemExit: it must not be taken for one request's error by the
     runner's retry-them-one-at-a-time path (which catches Exception)."""
+
+
+def _broadcast(tensor: torch.Tensor) -> None:
+    group = tp_group()
+    try:
+        dist.broadcast(tensor, src=0, group=group.cpu_group)
+    except RuntimeError as e:  # gloo: a peer's connection closed or timed out
+        raise GroupFailed(f"rank {group.rank}: a control broadcast failed: {e}") from e
 
 
 def broadcast_bytes(payload: bytes | None, kind: int) -> bytes:
@@ -41,18 +50,18 @@ def broadcast_bytes(payload: bytes | None, kind: int) -> bytes:
     if group.rank == 0:
         assert payload is not None, "rank 0 sends"
         header[0], header[1] = kind, len(payload)
-    dist.broadcast(header, src=0, group=group.cpu_group)
+    _broadcast(header)
     if int(header[0]) != kind:
-        raise RanksDiverged(f"rank {group.rank} expected a broadcast of kind {kind}, rank 0 sent kind {int(header[0])}")
+        raise GroupFailed(f"rank {group.rank} expected a broadcast of kind {kind}, rank 0 sent kind {int(header[0])}")
     length = int(header[1])
     if group.rank == 0:
         assert payload is not None
         if length:
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group.cpu_group)
+            _broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return payload
     body = torch.empty(length, dtype=torch.uint8)
     if length:
-        dist.broadcast(body, src=0, group=group.cpu_group)
+        _broadcast(body)
     return body.numpy().tobytes()
 
 
@@ -68,5 +77,5 @@ def share_sampled(request_ids: list[str], token_ids: list[int]) -> list[int]:
     raw = broadcast_bytes(_sampled_encoder.encode((request_ids, token_ids)) if group.rank == 0 else None, SAMPLED)
     ids, tokens = _sampled_decoder.decode(raw)
     if ids != request_ids:
-        raise RanksDiverged(f"rank {group.rank} sampled for {request_ids}, rank 0 for {ids}")
+        raise GroupFailed(f"rank {group.rank} sampled for {request_ids}, rank 0 for {ids}")
     return tokens

@@ -18,7 +18,7 @@ import os
 import socket
 import weakref
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -216,20 +216,27 @@ class MultiprocExecutor:
                 try:
                     reply: Reply = reply_decoder.decode(self._conn.recv_bytes())
                 except (EOFError, OSError):
-                    continue  # rank 0 exited: its sentinel is (or will be) ready
-                if reply.error is not None:
-                    self._fail(f"{reply.error} (while {what})")
-                return reply
-            dead = [sentinels[s] for s in ready if s in sentinels]
+                    reply = Reply(error="tensor-parallel rank 0 closed its pipe")
+                if reply.error is None:
+                    return reply
+                # Rank 0 failed (and exits): a collective with a rank that died is the usual
+                # cause, and that rank is the one to name (its process is gone already).
+                others = [s for s, rank in sentinels.items() if rank != 0]
+                gone = multiprocessing.connection.wait(others, timeout=1.0)
+                dead = [sentinels[s] for s in gone if isinstance(s, int)]
+                if dead:
+                    self._rank_died(min(dead), what)
+                self._fail(f"{reply.error} (while {what})")
+            dead = [sentinels[s] for s in ready if isinstance(s, int)]
             if dead:
-                rank = min(dead)
-                code = self.processes[rank].exitcode
-                if code is None:  # the sentinel fired before the exit code was collected
-                    self.processes[rank].join(1)
-                    code = self.processes[rank].exitcode
-                self._fail(f"tensor-parallel rank {rank} died (exit code {code}) while {what}")
+                self._rank_died(min(dead), what)
 
-    def _fail(self, message: str) -> None:
+    def _rank_died(self, rank: int, what: str) -> NoReturn:
+        process = self.processes[rank]
+        process.join(1)  # the sentinel may fire before the exit code is collected
+        self._fail(f"tensor-parallel rank {rank} died (exit code {process.exitcode}) while {what}")
+
+    def _fail(self, message: str) -> NoReturn:
         logger.error("%s; stopping the other ranks", message)
         self.shutdown()
         raise ExecutorError(message)

@@ -26,7 +26,7 @@ import torch
 
 from vlmserve.attention import AttentionBackend, select_backend
 from vlmserve.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_group
-from vlmserve.distributed.control import MESSAGE, RanksDiverged, broadcast_bytes
+from vlmserve.distributed.control import MESSAGE, GroupFailed, broadcast_bytes
 from vlmserve.engine import serial
 from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len
 from vlmserve.engine.config import EngineConfig, resolve_dtype
@@ -305,7 +305,7 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | No
         if conn is not None:
             conn.send_bytes(serial.encode(Reply()))  # ready
         _serve(worker, conn)
-    except (Exception, RanksDiverged) as e:
+    except (Exception, GroupFailed) as e:
         logger.exception("rank %d failed outside any one request", spec.rank)
         if conn is not None:
             error = f"tensor-parallel rank {spec.rank} failed: {type(e).__name__}: {e}"
