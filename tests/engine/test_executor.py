@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.executor import ExecutorError, MultiprocExecutor, free_port
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.executor import ExecutorError, MultiprocExecutor, check_tensor_parallel, free_port
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
@@ -115,3 +117,25 @@ def test_a_second_node_joins_by_vlmserve_worker(
     finally:
         worker.kill()
         worker.wait()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1, got 0"),
+        ({"tensor_parallel_size": 3, "nnodes": 2, "master_port": 29500}, "3 does not split evenly over 2 nodes"),
+        ({"tensor_parallel_size": 2, "nnodes": 2}, "nnodes > 1 needs master_port"),
+        ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "master_port": 1}, "node_rank must be in 0..1"),
+    ],
+)
+def test_a_bad_tensor_parallel_layout_is_refused_by_name(options: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **options)  # type: ignore[arg-type]
+
+
+def test_more_ranks_than_cuda_devices_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = EngineConfig(model="m", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs 2 CUDA devices on this node, found 1"):
+        check_tensor_parallel(config, torch.device("cuda"))
+    check_tensor_parallel(config, torch.device("cpu"))  # CPU ranks share the host

@@ -200,9 +200,12 @@ class MultiprocExecutor:
         # Stopped with the engine, or when this object goes (an LLM dropped without shutdown).
         self._finalizer = weakref.finalize(self, stop_ranks, self.processes)
         self._state_layers: bool | None = None
+        self._failure = ""  # why the ranks were stopped, once they were
         self._wait_reply("starting")
 
     def _call(self, call: WorkerCall, what: str) -> Reply:
+        if not self._finalizer.alive:
+            raise ExecutorError(self._failure or "the tensor-parallel ranks were shut down")
         with contextlib.suppress(OSError):  # rank 0 is gone: the wait names it
             self._conn.send_bytes(serial.encode(call))
         return self._wait_reply(what)
@@ -238,6 +241,7 @@ class MultiprocExecutor:
 
     def _fail(self, message: str) -> NoReturn:
         logger.error("%s; stopping the other ranks", message)
+        self._failure = message
         self.shutdown()
         raise ExecutorError(message)
 

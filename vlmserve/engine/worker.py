@@ -312,7 +312,8 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | No
             with contextlib.suppress(OSError):
                 conn.send_bytes(serial.encode(Reply(error=error)))
         os._exit(1)  # the engine core sees it and stops the other ranks
-    destroy_tensor_parallel()
+    with contextlib.suppress(Exception):  # the other ranks are leaving too
+        destroy_tensor_parallel()
 
 
 def _serve(worker: Worker, conn: multiprocessing.connection.Connection | None) -> None:
@@ -387,6 +388,7 @@ def run_node(
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
                 process = pending.pop(sentinel)  # type: ignore[arg-type]
+                process.join()  # its sentinel may fire before its exit code is collected
                 if process.exitcode != 0:
                     logger.error("%s exited with code %s; stopping this node's ranks", process.name, process.exitcode)
                     return 1

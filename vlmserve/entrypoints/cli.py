@@ -338,13 +338,6 @@ COMMANDS: dict[str, Command] = {
         _chat,
         usage="vlmserve chat [options] [MODEL] [QUESTION]",
     ),
-    "bench": Command(
-        "Benchmark vlmserve against transformers",
-        "A synthetic multimodal workload through vlmserve and transformers' generate on the same checkpoint:\n"
-        "throughput, time to first token, time per output token, sweeps; writes bench.json and bench.png.",
-        _bench_arguments,
-        _bench,
-    ),
     "worker": Command(
         "Run this machine's tensor-parallel ranks of an engine on node 0",
         "Join a tensor-parallel engine whose core runs on node 0 (vlmserve serve/chat with --nnodes): this "
@@ -352,6 +345,13 @@ COMMANDS: dict[str, Command] = {
         'with the\nothers. Exits when the engine shuts down or a rank dies. See README\'s "Many machines".',
         _worker_arguments,
         _worker,
+    ),
+    "bench": Command(
+        "Benchmark vlmserve against transformers",
+        "A synthetic multimodal workload through vlmserve and transformers' generate on the same checkpoint:\n"
+        "throughput, time to first token, time per output token, sweeps; writes bench.json and bench.png.",
+        _bench_arguments,
+        _bench,
     ),
     "make-tiny": Command(
         "Write a tiny random-weight checkpoint (hub layout)",
