@@ -252,7 +252,7 @@ class RankSpec:
     device_type: str  # "cpu" or "cuda": the group's backend, known before rank 0 says the rest
     master_addr: str
     master_port: int
-    parent_pid: int
+    parent_pid: int  # the rank exits when this process is gone (0: no watch)
     threads: int
     # Rank 0: the engine's config and eos ids (worker_setup_json); the others get them from rank 0.
     setup_json: str | None
@@ -284,7 +284,8 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
 def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> None:
     """A rank's process: join the group, build the model, then serve calls until Shutdown.
     Rank 0 reads them from `conn` (the engine core's end of the pipe) and answers there."""
-    _watch_parent(spec.parent_pid)
+    if spec.parent_pid:
+        _watch_parent(spec.parent_pid)
     logging.basicConfig(
         level=os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper(),
         format=f"[rank {spec.rank}] " + LOG_FORMAT,
@@ -382,6 +383,9 @@ def run_node(
         )
         for i in range(local)
     ]
+    if local == 1:  # this process is the rank (one interpreter fewer to start)
+        worker_main(dataclasses.replace(specs[0], parent_pid=0), None)
+        return 0
     processes = spawn_ranks(specs, None)
     try:
         pending = {p.sentinel: p for p in processes}
