@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -131,3 +133,51 @@ def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
         help="linear layers' weights: int8 (weight-only, made at load from a float checkpoint); awq, gptq "
         "(4-bit checkpoints, found from config.json when left out; default: as the checkpoint holds them)",
     )
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size and the many-machines flags (each defaulting to its environment
+    variable, as torchrun's), the same for `serve`, `chat` and `worker`."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="ranks the model is split over, on all nodes together: one process each (one CUDA device each)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=positive_int,
+        default=os.environ.get("VLMSERVE_NNODES") or "1",  # a string default goes through `type`
+        help="machines the ranks are spread over, evenly (default: $VLMSERVE_NNODES, else 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=non_negative_int,
+        default=os.environ.get("VLMSERVE_NODE_RANK") or "0",
+        help="this machine's index: 0 runs the engine (serve, chat), 1.. run `vlmserve worker` "
+        "(default: $VLMSERVE_NODE_RANK, else 0)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR") or "127.0.0.1",
+        help="node 0's address, where the ranks meet (default: $MASTER_ADDR, else 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=port,
+        default=os.environ.get("MASTER_PORT") or None,
+        help="the TCP port on node 0 where the ranks meet; needed with --nnodes above 1 "
+        "(default: $MASTER_PORT, else a free one)",
+    )
+
+
+def parallel_options(args: argparse.Namespace) -> dict[str, Any]:
+    """add_parallel_flags' values as EngineConfig / LLM fields."""
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+    }

@@ -42,7 +42,7 @@ def test_help_lists_every_command_with_its_summary() -> None:
     assert result.returncode == 0, result.stderr
     section = result.stdout.split("commands:\n", 1)[1].split("\n\n", 1)[0]
     listed = dict(re.findall(r"^  (\S+) +(.+)$", section, re.MULTILINE))
-    assert list(listed) == ["serve", "chat", "bench", "make-tiny", "inspect"]
+    assert list(listed) == ["serve", "chat", "worker", "bench", "make-tiny", "inspect"]
     from vlmserve.entrypoints.cli import COMMANDS
 
     assert listed == {name: command.summary for name, command in COMMANDS.items()}

@@ -45,19 +45,21 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     info = core.model_info
     plan = core.memory_plan
     decode_kernel = getattr(core.backend, "decode_kernel", None)
-    graphs = core.runner.decode_graphs
+    graphs = core.runner.decode_graphs if core.executor.tensor_parallel_size == 1 else None
+    tp, nnodes = core.config.tensor_parallel_size, core.config.nnodes
     linear = select_linear_op(core.device, core.dtype)  # cached: the op the model was bound to
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
         "dtype": str(core.dtype).removeprefix("torch."),
         "max_model_len": str(core.max_model_len),
+        "tensor_parallel_size": str(tp) + (f" ({tp // nnodes} ranks on each of {nnodes} nodes)" if nnodes > 1 else ""),
         "KV cache": f"{plan.num_blocks * plan.block_size:,} tokens ({plan.num_blocks:,} blocks of {plan.block_size})",
         "attention": f"{core.backend.name} ({'SDPA' if core.backend.name == 'torch' else 'Triton kernels'})"
         + (f"; decode: CUDA graphs ({len(graphs.buckets)} batch sizes)" if graphs is not None else "")
         + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else ""),
         "linear layers": "torch (F.linear)" if linear is F.linear else "vlmserve CPU bf16 kernel",
-        "memory": plan.describe().removeprefix("memory plan: "),
+        "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
     }
 
 

@@ -51,10 +51,36 @@ class EngineConfig:
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs (engine/cuda_graphs.py), every step eager.
     enforce_eager: bool = False
+    # Tensor parallelism (engine/executor.py): the model on this many ranks, one process each
+    # (one device each on CUDA), spread evenly over `nnodes` machines; this one is `node_rank`
+    # (0 runs the engine core). The ranks meet at master_addr:master_port (None: a free port,
+    # one machine only). memory_budget_bytes is then per rank.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_parallel_layout(self.tensor_parallel_size, self.nnodes, self.node_rank)
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address), the same on every node")
+        if self.nnodes > 1 and self.node_rank != 0:
+            raise ValueError(f"the engine runs on node 0; node {self.node_rank} runs `vlmserve worker` instead")
+
+
+def check_parallel_layout(tensor_parallel_size: int, nnodes: int, node_rank: int) -> None:
+    """ValueError naming what is wrong with a tensor-parallel layout."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be at least 1, got {nnodes}")
+    if tensor_parallel_size % nnodes:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} does not split evenly over {nnodes} nodes")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in 0..{nnodes - 1}, got {node_rank}")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -12,13 +12,15 @@ from vlmserve.attention import select_backend
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vlmserve.engine.executor import ExecutorError, InProcessExecutor, make_executor
 from vlmserve.engine.kv_cache import KVCacheManager
-from vlmserve.engine.memory import MemoryPlan, default_budget, plan_kv_cache
+from vlmserve.engine.memory import MemoryPlan, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
 from vlmserve.engine.structured_output import GrammarCompiler
-from vlmserve.models.build import build_model
+from vlmserve.engine.worker import RankInfo
+from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
@@ -37,18 +39,14 @@ class EngineCore:
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         self.backend = select_backend(self.device, config.attention_backend, decode_workspace_tokens=self.max_model_len)
-        self.model = build_model(
-            model.family.model_class,
-            model.model_config,
-            model.model_dir,
-            self.backend,
-            self.device,
-            self.dtype,
-            config.quantization,
-        )
-        self.runner = ModelRunner(self.model, self.device, self.dtype)
-        self.runner.grammars = self.grammars = GrammarCompiler(
+        # Here, structured outputs' specs are checked when a request comes; the runner's copy
+        # (this one in-process, each rank's own in a rank process) makes their matchers.
+        self.grammars = GrammarCompiler(
             self._load_vocabulary, model.model_config.text.vocab_size, sorted(model.eos_token_ids)
+        )
+        # The model and its runner: in this process, or on tensor_parallel_size rank processes.
+        self.executor = make_executor(
+            config, model.model_dir, sorted(model.eos_token_ids), self.device, self.backend, self.grammars
         )
         # The largest image or video a prompt may hold: the encoder must take it in one step.
         limits = model.processing.max_items_per_prompt()
@@ -73,9 +71,9 @@ class EngineCore:
         )
         graphs = self._use_cuda_graphs()
         # With CUDA graphs, one block more than the scheduler hands out: padded decode rows' scratch.
-        self.runner.bind_kv_cache(self.kv.pool.num_blocks + graphs, self.kv.block_size)
+        self.executor.bind_kv_cache(self.kv.pool.num_blocks + graphs, self.kv.block_size)
         if num_state_slots:
-            self.runner.bind_state_cache(num_state_slots + num_cached_states)
+            self.executor.bind_state_cache(num_state_slots + num_cached_states)
         if graphs:
             self._capture_decode_graphs()
         self.scheduler = Scheduler(scheduler_config, self.kv, log_stats)
@@ -86,14 +84,32 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it is in this process (tensor_parallel_size 1)."""
+        if not isinstance(self.executor, InProcessExecutor):
+            raise AttributeError("the model runner lives in the tensor-parallel rank processes")
+        return self.executor.runner
+
+    @property
+    def model(self) -> VLModel:
+        """The model, where it is in this process (tensor_parallel_size 1)."""
+        return self.runner.model
+
+    def shutdown(self) -> None:
+        """Stop the rank processes, if any (the engine cannot run steps after this)."""
+        self.executor.shutdown()
+
     def _use_cuda_graphs(self) -> bool:
         """Decode steps from CUDA graphs: on CUDA, with a backend reading the step's layout from
-        device tensors (triton), for models without per-request state; off with enforce_eager."""
+        device tensors (triton), for models without per-request state, in this process (not yet
+        in rank processes); off with enforce_eager."""
         return (
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not self.config.enforce_eager
-            and not self.runner.state_layers
+            and isinstance(self.executor, InProcessExecutor)
+            and not self.executor.has_state_layers
         )
 
     def _capture_decode_graphs(self) -> None:
@@ -109,30 +125,17 @@ class EngineCore:
     def _state_slots(self) -> tuple[int, int]:
         """A model with per-request state: one slot per running request, and with prefix caching
         as many again for states saved at block boundaries (kv_cache.py). (0, 0) without state."""
-        if not self.runner.state_layers:
+        if not self.executor.has_state_layers:
             return 0, 0
         n = self.config.max_num_seqs
         return n, n if self.config.enable_prefix_caching else 0
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
+        """Each rank's plan from its own weights, profile peak and budget; the KV cache every rank
+        can hold is the smallest of them (the scheduler's blocks exist on every rank)."""
         config = self.config
-        block_bytes = self.runner.kv_bytes_per_token * config.block_size
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        dtype_size = torch.empty((), dtype=self.dtype).element_size()
-        model_config = self.model_info.model_config
-        encoder_cache = (
-            sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
-        )
-        per_seq = -(-self.max_model_len // config.block_size)
-        state_bytes = self.runner.state_bytes_per_slot * sum(self._state_slots())
         if config.kv_cache_memory_bytes is not None:
-            fixed = config.kv_cache_memory_bytes // block_bytes
-            if fixed < 1:
-                raise ValueError(
-                    f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
-                )
-            budget = weights + encoder_cache + state_bytes + fixed * block_bytes
-            activations, min_blocks, profiled = 0, 1, False
+            ranks = self.executor.plan(None)
         else:
             # A step may encode max_encoder_tokens_per_step tokens of items each no larger than
             # the largest. A dummy can hold fewer tokens than asked (a video's frames are capped,
@@ -142,10 +145,33 @@ class EngineCore:
             short = step_tokens - sum(item.length for item in dummy)
             if short > 0:
                 dummy += [i for i in processor.dummy_items(1, short, largest_modality) if i.length <= short]
-            activations = self.runner.profile_run(
+            ranks = self.executor.plan(
                 dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
             )
-            budget = config.memory_budget_bytes or default_budget(self.device, config.gpu_memory_utilization)
+        return min((self._plan_rank(rank, sched) for rank in ranks), key=lambda plan: plan.num_blocks)
+
+    def _plan_rank(self, rank: RankInfo, sched: SchedulerConfig) -> MemoryPlan:
+        config = self.config
+        block_bytes = rank.kv_bytes_per_token * config.block_size
+        weights = rank.weights_bytes
+        dtype_size = torch.empty((), dtype=self.dtype).element_size()
+        model_config = self.model_info.model_config
+        encoder_cache = (
+            sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
+        )
+        per_seq = -(-self.max_model_len // config.block_size)
+        state_bytes = rank.state_bytes_per_slot * sum(self._state_slots())
+        if config.kv_cache_memory_bytes is not None:
+            fixed = config.kv_cache_memory_bytes // block_bytes
+            if fixed < 1:
+                raise ValueError(
+                    f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
+                )
+            budget = weights + encoder_cache + state_bytes + fixed * block_bytes
+            activations, min_blocks, profiled = 0, 1, False
+        else:
+            activations = rank.activation_bytes
+            budget = config.memory_budget_bytes or rank.budget_bytes
             min_blocks, profiled = per_seq, True
         return plan_kv_cache(
             budget_bytes=budget,
@@ -186,7 +212,7 @@ class EngineCore:
         """Forget cached KV blocks and encoder outputs that no running request holds."""
         self.kv.forget_cached()
         self.scheduler.encoder_cache.evict_unused()
-        self.runner.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
+        self.executor.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,11 +228,13 @@ class EngineCore:
             self._count_prompt_tokens(scheduler_output)
             runner_output = self._execute(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except ExecutorError:
+            raise  # a rank is gone: no step can run any more
         except Exception:
             logger.exception("an engine step failed outside any one request; failing every request in flight")
             for request_id in self.scheduler.reset():
                 self.failed[request_id] = "the engine's state was reset after an error"
-            self.runner.reset()
+            self.executor.reset()
             return []
         for request_id in self.scheduler.take_failed():
             self.failed[request_id] = "updating this request raised"
@@ -216,16 +244,11 @@ class EngineCore:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. If it raises, the step is undone and its requests run one at a time:
         those that still raise are failed (their KV blocks and encoder outputs freed)."""
-        snapshot = self.runner.snapshot(scheduler_output)
-        try:
-            return self.runner.execute(scheduler_output)
-        except Exception:
-            logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
-        runner_output, failed = self.runner.execute_one_at_a_time(scheduler_output, snapshot)
-        for request_id, message in failed.items():
+        result = self.executor.execute(scheduler_output)
+        for request_id, message in result.failed.items():
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
             self.failed[request_id] = message
-        return runner_output
+        return result.output
 
     def _count_prompt_tokens(self, step: SchedulerOutput) -> None:
         for request_id, n in step.num_scheduled_tokens.items():

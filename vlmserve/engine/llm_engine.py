@@ -10,8 +10,10 @@ from vlmserve.engine.banner import engine_summary, log_banner
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.frontend import load_frontend
+from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.engine.request import RequestStatus
+from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import MultiModalItemInfo, RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -32,9 +34,22 @@ class LLMEngine:
         self.model_config = self.frontend.model_config
         self.eos_token_ids = self.frontend.eos_token_ids
         self.max_model_len = self.frontend.max_model_len
-        self.model, self.runner, self.kv = self.core.model, self.core.runner, self.core.kv
+        self.kv = self.core.kv
         self.scheduler, self.memory_plan = self.core.scheduler, self.core.memory_plan
         log_banner(logger, engine_summary(self.core, config.model), "vlmserve engine ready")
+
+    @property
+    def model(self) -> VLModel:
+        """The model, where it is in this process (tensor_parallel_size 1)."""
+        return self.core.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes, if any."""
+        self.core.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         return self.frontend.default_sampling_params()

@@ -14,6 +14,7 @@ import torch
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
+from vlmserve.distributed.control import share_sampled
 from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from vlmserve.engine.cuda_graphs import Capture, DecodeGraphs
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
@@ -286,6 +287,8 @@ class ModelRunner:
             [s.history() for s in sampled],
             grammar,
         )
+        # Tensor parallel: every rank appends rank 0's tokens (identity in one process).
+        tokens = share_sampled([s.request_id for s in sampled], tokens)
         out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
         counts = [s.params.logprobs for s in sampled]
         if any(c is not None for c in counts):

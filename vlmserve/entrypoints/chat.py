@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
+from vlmserve.arg_types import parallel_options
+
 if TYPE_CHECKING:
     from vlmserve import LLM
     from vlmserve.grounding import Convention
@@ -181,6 +183,7 @@ def run(args: argparse.Namespace, model: str | None, question: str | None) -> in
         limit_mm_per_prompt={"image": max(8, len(args.image)), "video": max(1, len(args.video))},
         generation_config=args.generation_config,
         attention_backend=args.attention_backend,
+        **parallel_options(args),
     )
     chat = Chat(llm, args)
     if question is not None:

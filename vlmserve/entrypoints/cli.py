@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmserve.arg_types import add_kernel_flags, non_negative_float, non_negative_int, positive_float, positive_int
+from vlmserve.arg_types import (
+    add_kernel_flags,
+    add_parallel_flags,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from vlmserve.errors import UsageError, UserError
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -131,6 +138,7 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
     add_kernel_flags(p)
+    add_parallel_flags(p)
     p.add_argument("--max-model-len", type=positive_int, default=8192, help="longest conversation + answer, in tokens")
     p.add_argument(
         "--draw-boxes",
@@ -174,6 +182,47 @@ def _chat(args: argparse.Namespace) -> int:
         raise UsageError("--draw-boxes needs an --image to draw on")
     _check_model(model)
     return chat.run(args, model, question)
+
+
+# -- worker ---------------------------------------------------------------------------------------
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="the checkpoint directory or hub id (this machine's copy)")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when present, else cpu"
+    )
+    add_parallel_flags(p)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    _check_model(args.model)
+    if args.node_rank == 0:
+        raise UsageError("--node-rank 0 runs the engine (vlmserve serve or chat); a worker is node 1 or above")
+    if args.master_port is None:
+        raise UsageError("--master-port (or $MASTER_PORT) is needed: node 0's port where the ranks meet")
+    from vlmserve.engine.config import check_parallel_layout
+
+    try:
+        check_parallel_layout(args.tensor_parallel_size, args.nnodes, args.node_rank)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    import torch
+
+    from vlmserve.engine.worker import run_node
+    from vlmserve.model_files import resolve_model_dir
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = resolve_model_dir(args.model)
+    return run_node(
+        str(model_dir),
+        args.tensor_parallel_size,
+        args.nnodes,
+        args.node_rank,
+        args.master_addr,
+        args.master_port,
+        device,
+    )
 
 
 # -- make-tiny, inspect, bench --------------------------------------------------------------------
@@ -293,6 +342,14 @@ COMMANDS: dict[str, Command] = {
         _chat_arguments,
         _chat,
         usage="vlmserve chat [options] [MODEL] [QUESTION]",
+    ),
+    "worker": Command(
+        "Run this machine's tensor-parallel ranks of an engine on node 0",
+        "Join a tensor-parallel engine whose core runs on node 0 (vlmserve serve/chat with --nnodes): this "
+        "machine's\nranks (--tensor-parallel-size / --nnodes of them) build their shard of MODEL and run every step "
+        'with the\nothers. Exits when the engine shuts down or a rank dies. See README\'s "Many machines".',
+        _worker_arguments,
+        _worker,
     ),
     "bench": Command(
         "Benchmark vlmserve against transformers",

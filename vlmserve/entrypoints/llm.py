@@ -65,7 +65,15 @@ class LLM:
         max_logprobs: int = 20,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
+        """tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
+        with nnodes > 1 the other machines' ranks join by `vlmserve worker` at master_addr:master_port
+        (README, "Many machines")."""
         configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -91,12 +99,21 @@ class LLM:
             max_logprobs=max_logprobs,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),
         )
         self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes now (they also stop with this process)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self) -> AnyTokenizer:
         return self.llm_engine.tokenizer

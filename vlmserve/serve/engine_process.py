@@ -27,6 +27,7 @@ from vlmserve.engine.banner import engine_summary
 from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
+from vlmserve.engine.executor import ExecutorError
 from vlmserve.engine.request import RequestStatus
 from vlmserve.engine.stat_logger import StatLogger
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -245,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat.start()
     try:
         EngineLoop(core, pull, push, args.parent).run()
+    except ExecutorError as e:  # a tensor-parallel rank died: exit, and the API process restarts the engine
+        logger.error("the engine cannot go on: %s", e)
+        return 1
     finally:
+        core.shutdown()
         heartbeat.stopped.set()
         heartbeat.join()
         push.close(linger=1000)

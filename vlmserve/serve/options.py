@@ -10,6 +10,7 @@ import socket
 
 from vlmserve.arg_types import (
     add_kernel_flags,
+    add_parallel_flags,
     existing_dir,
     fraction,
     limit_mm_per_prompt,
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda or cuda:N")
     add_kernel_flags(p)
+    add_parallel_flags(p)
     p.add_argument(
         "--enforce-eager",
         action="store_true",

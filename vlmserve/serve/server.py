@@ -30,7 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from vlmserve.arg_types import network_and_port
+from vlmserve.arg_types import network_and_port, parallel_options
 from vlmserve.engine.banner import log_banner
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.frontend import load_frontend
@@ -78,6 +78,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
         max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        **parallel_options(args),
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,

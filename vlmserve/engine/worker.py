@@ -1,0 +1,403 @@
+"""One tensor-parallel rank: the model (its shard, once the layers shard themselves under the
+group) and a ModelRunner, serving the calls the engine core makes on its executor.
+
+In-process (tensor_parallel_size 1) the executor calls a Worker's methods directly. In a rank's
+own process (`worker_main`) the calls arrive as msgspec messages: rank 0 reads them from the
+engine core's pipe and broadcasts the bytes to the other ranks (distributed/control.py), every
+rank handles them, and rank 0 answers. Ranks of another machine are started by `vlmserve worker`
+(`run_node`) and join the same env:// rendezvous."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from vlmserve.attention import AttentionBackend, select_backend
+from vlmserve.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_group
+from vlmserve.distributed.control import MESSAGE, GroupFailed, broadcast_bytes
+from vlmserve.engine import serial
+from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len
+from vlmserve.engine.config import EngineConfig, resolve_dtype
+from vlmserve.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from vlmserve.engine.memory import default_budget
+from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.structured_output import GrammarCompiler
+from vlmserve.models.build import build_model
+from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
+
+logger = logging.getLogger(__name__)
+
+# A rank waits for the next step as long as the engine is idle: no timeout on its collectives
+# short of that (a dead peer is seen by the engine core's process watch, or by gloo's closed
+# connection, at once).
+COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600.0
+
+# -- the calls, as messages ----------------------------------------------------------------------
+
+
+class Plan(msgspec.Struct, tag=True):
+    """Describe this rank for the memory plan; with `dummy_items`, also run the worst-case
+    profile step (ModelRunner.profile_run) and report its peak."""
+
+    profile: bool
+    dummy_items: list[MultiModalItem] = msgspec.field(default_factory=list)
+    num_tokens: int = 0
+    max_model_len: int = 0
+    num_seqs: int = 0
+    block_size: int = 0
+
+
+class BindKVCache(msgspec.Struct, tag=True):
+    num_blocks: int
+    block_size: int
+
+
+class BindStateCache(msgspec.Struct, tag=True):
+    num_slots: int
+
+
+class Execute(msgspec.Struct, tag=True):
+    step: SchedulerOutput
+
+
+class FreeEncoderOutputs(msgspec.Struct, tag=True):
+    content_hashes: list[str]
+
+
+class Reset(msgspec.Struct, tag=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class DigestRequests(msgspec.Struct, tag=True):
+    """Each rank's digest of the requests it holds (ids and token ids): equal on every rank
+    while the ranks agree (a check for tests and debugging)."""
+
+
+WorkerCall = Plan | BindKVCache | BindStateCache | Execute | FreeEncoderOutputs | Reset | Shutdown | DigestRequests
+
+
+class RankInfo(msgspec.Struct, array_like=True):
+    """What the memory plan needs of one rank (its own shard's numbers)."""
+
+    weights_bytes: int
+    kv_bytes_per_token: int
+    state_bytes_per_slot: int
+    # What this rank may use in all by default (its device's, or its share of the host's; the
+    # config's memory_budget_bytes, per rank, overrides it); 0 when not profiled.
+    budget_bytes: int
+    activation_bytes: int = 0  # the profile step's peak; 0 when not profiled
+
+
+class StepResult(msgspec.Struct):
+    output: ModelRunnerOutput
+    # Request id -> why, for the requests that raised even when run alone (the core frees them).
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Reply(msgspec.Struct):
+    step: StepResult | None = None
+    ranks: list[RankInfo] = msgspec.field(default_factory=list)
+    digests: list[int] = msgspec.field(default_factory=list)  # DigestRequests: (count, digest) per rank
+    # Set when the call failed outside any one request: the rank exits after sending it.
+    error: str | None = None
+
+
+call_decoder = serial.decoder(WorkerCall)
+reply_decoder = serial.decoder(Reply)
+
+
+def execute_or_isolate(runner: ModelRunner, step: SchedulerOutput) -> StepResult:
+    """Run the step. If it raises, the step is undone and its requests run one at a time: those
+    that still raise are named in `failed` (the runner has forgotten them)."""
+    snapshot = runner.snapshot(step)
+    try:
+        return StepResult(runner.execute(step))
+    except Exception:
+        logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
+    output, failed = runner.execute_one_at_a_time(step, snapshot)
+    return StepResult(output, failed)
+
+
+# -- one rank --------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        eos_token_ids: list[int],
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+        grammars: GrammarCompiler | None = None,
+        local_world_size: int = 1,
+    ) -> None:
+        """`backend`, `grammars`: the engine core's, shared in-process; a rank process makes its
+        own. `local_world_size`: ranks on this host (on the CPU they share its memory)."""
+        self.config = config
+        self.device = device
+        self.local_world_size = local_world_size
+        _, model_config, family, _ = open_checkpoint(config, model_dir)
+        self.dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, device)
+        max_model_len = resolve_max_model_len(config, model_config)
+        # The batched-decode workspace bounds a step's transient memory; the plan measures it.
+        workspace = max_model_len
+        self.backend = backend or select_backend(device, config.attention_backend, decode_workspace_tokens=workspace)
+        self.model = build_model(
+            family.model_class, model_config, model_dir, self.backend, device, self.dtype, config.quantization
+        )
+        self.runner = ModelRunner(self.model, device, self.dtype)
+        if grammars is None:
+
+            def load_vocabulary() -> list[bytes]:
+                tokenizer = family.load_tokenizer(model_dir)
+                return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+
+            grammars = GrammarCompiler(load_vocabulary, model_config.text.vocab_size, eos_token_ids)
+        self.runner.grammars = grammars
+
+    def plan(self, call: Plan) -> RankInfo:
+        info = RankInfo(
+            weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            state_bytes_per_slot=self.runner.state_bytes_per_slot,
+            budget_bytes=0,
+        )
+        if call.profile:
+            info.activation_bytes = self.runner.profile_run(
+                call.dummy_items, call.num_tokens, call.max_model_len, call.num_seqs, call.block_size
+            )
+            info.budget_bytes = self._default_budget()
+        return info
+
+    def _default_budget(self) -> int:
+        budget = default_budget(self.device, self.config.gpu_memory_utilization)
+        # The CPU's memory is the host's, shared by its ranks.
+        return budget // self.local_world_size if self.device.type == "cpu" else budget
+
+    def handle(self, call: WorkerCall) -> Reply:
+        """Run one call on this rank; rank 0's reply gathers every rank's RankInfo for Plan."""
+        runner = self.runner
+        if isinstance(call, Execute):
+            return Reply(step=execute_or_isolate(runner, call.step))
+        if isinstance(call, Plan):
+            return Reply(ranks=gather_rank_infos(self.plan(call)))
+        if isinstance(call, DigestRequests):
+            return Reply(digests=gather_ints(*self.digest_requests()))
+        if isinstance(call, BindKVCache):
+            runner.bind_kv_cache(call.num_blocks, call.block_size)
+        elif isinstance(call, BindStateCache):
+            runner.bind_state_cache(call.num_slots)
+        elif isinstance(call, FreeEncoderOutputs):
+            runner.free_encoder_outputs(call.content_hashes)
+        elif isinstance(call, Reset):
+            runner.reset()
+        return Reply()
+
+    def digest_requests(self) -> tuple[int, int]:
+        """How many requests this rank holds, and a digest of their ids and token ids."""
+        held = sorted((r.request_id, r.token_ids) for r in self.runner.requests.values())
+        return len(held), int.from_bytes(hashlib.sha256(msgspec.msgpack.encode(held)).digest()[:7], "little")
+
+
+def gather_ints(*values: int) -> list[int]:
+    """Every rank's `values`, rank 0's first (on every rank): a flat list, rank by rank."""
+    group = tp_group()
+    row = torch.tensor(values, dtype=torch.int64)
+    if group.size == 1:
+        return row.tolist()
+    rows = [torch.empty_like(row) for _ in range(group.size)]
+    torch.distributed.all_gather(rows, row, group=group.cpu_group)
+    return torch.cat(rows).tolist()
+
+
+def gather_rank_infos(info: RankInfo) -> list[RankInfo]:
+    """Every rank's info, rank 0 first (on every rank)."""
+    fields = (info.weights_bytes, info.kv_bytes_per_token, info.state_bytes_per_slot, info.budget_bytes)
+    flat = gather_ints(*fields, info.activation_bytes)
+    n = len(fields) + 1
+    return [RankInfo(*flat[i : i + n]) for i in range(0, len(flat), n)]
+
+
+# -- a rank's process ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """What a rank process is started with (pickled once, at spawn; the per-step messages are
+    msgspec)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    model_dir: str
+    device_type: str  # "cpu" or "cuda": the group's backend, known before rank 0 says the rest
+    master_addr: str
+    master_port: int
+    parent_pid: int  # the rank exits when this process is gone (0: no watch)
+    threads: int
+    # Rank 0: the engine's config and eos ids (worker_setup_json); the others get them from rank 0.
+    setup_json: str | None
+
+
+def worker_setup_json(config: EngineConfig, eos_token_ids: list[int]) -> str:
+    """What every rank builds from: the engine's config (media limits are the front end's) and
+    the ids that end generation (for structured outputs' grammars)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "media_limits"}
+    return json.dumps({"config": fields, "eos_token_ids": sorted(eos_token_ids)})
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the process that started this rank is gone (no orphan ranks)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            threading.Event().wait(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> None:
+    """A rank's process: join the group, build the model, then serve calls until Shutdown.
+    Rank 0 reads them from `conn` (the engine core's end of the pipe) and answers there."""
+    if spec.parent_pid:
+        _watch_parent(spec.parent_pid)
+    logging.basicConfig(
+        level=os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper(),
+        format=f"[rank {spec.rank}] " + LOG_FORMAT,
+        datefmt=LOG_DATE_FORMAT,
+    )
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec.master_addr, str(spec.master_port)
+    device = rank_device(spec.device_type, spec.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_tensor_parallel(spec.rank, spec.world_size, device, "env://", timeout_s=COLLECTIVE_TIMEOUT_S)
+    try:
+        # Ranks on other machines load the model from their own path; the rest is rank 0's.
+        setup = json.loads(broadcast_bytes(spec.setup_json.encode() if spec.setup_json is not None else None, MESSAGE))
+        config = dataclasses.replace(EngineConfig(**setup["config"]), model=spec.model_dir)
+        worker = Worker(config, Path(spec.model_dir), setup["eos_token_ids"], device, None, None, spec.local_world_size)
+        if conn is not None:
+            conn.send_bytes(serial.encode(Reply()))  # ready
+        _serve(worker, conn)
+    except (Exception, GroupFailed) as e:
+        logger.exception("rank %d failed outside any one request", spec.rank)
+        if conn is not None:
+            error = f"tensor-parallel rank {spec.rank} failed: {type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):
+                conn.send_bytes(serial.encode(Reply(error=error)))
+        os._exit(1)  # the engine core sees it and stops the other ranks
+    with contextlib.suppress(Exception):  # the other ranks are leaving too
+        destroy_tensor_parallel()
+
+
+def _serve(worker: Worker, conn: multiprocessing.connection.Connection | None) -> None:
+    while True:
+        raw = broadcast_bytes(conn.recv_bytes() if conn is not None else None, MESSAGE)
+        call: Any = call_decoder.decode(raw)
+        if isinstance(call, Shutdown):
+            return
+        reply = worker.handle(call)
+        if conn is not None:
+            conn.send_bytes(serial.encode(reply))
+
+
+def spawn_ranks(
+    specs: list[RankSpec], rank0_conn: multiprocessing.connection.Connection | None
+) -> list[multiprocessing.process.BaseProcess]:
+    """Start one process per rank (spawn: a fresh interpreter, no state forked from this one)."""
+    context = multiprocessing.get_context("spawn")
+    processes: list[multiprocessing.process.BaseProcess] = []
+    for spec in specs:
+        process = context.Process(
+            target=worker_main,
+            args=(spec, rank0_conn if spec.rank == 0 else None),
+            name=f"vlmserve-rank-{spec.rank}",
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def stop_ranks(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(5)
+
+
+def run_node(
+    model_dir: str,
+    tensor_parallel_size: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    device_type: str,
+) -> int:
+    """`vlmserve worker`: this machine's ranks of an engine whose core runs on node 0. Returns
+    when they end (the engine shut down, or a rank died: the others are stopped then)."""
+    local = tensor_parallel_size // nnodes
+    threads = max(1, torch.get_num_threads() // local)
+    specs = [
+        RankSpec(
+            rank=node_rank * local + i,
+            world_size=tensor_parallel_size,
+            local_rank=i,
+            local_world_size=local,
+            model_dir=model_dir,
+            device_type=device_type,
+            master_addr=master_addr,
+            master_port=master_port,
+            parent_pid=os.getpid(),
+            threads=threads,
+            setup_json=None,
+        )
+        for i in range(local)
+    ]
+    if local == 1:  # this process is the rank (one interpreter fewer to start)
+        worker_main(dataclasses.replace(specs[0], parent_pid=0), None)
+        return 0
+    processes = spawn_ranks(specs, None)
+    try:
+        pending = {p.sentinel: p for p in processes}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending)):
+                process = pending.pop(sentinel)  # type: ignore[arg-type]
+                process.join()  # its sentinel may fire before its exit code is collected
+                if process.exitcode != 0:
+                    logger.error("%s exited with code %s; stopping this node's ranks", process.name, process.exitcode)
+                    return 1
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_ranks(processes)
