@@ -76,8 +76,10 @@ class EngineClient:
         heartbeat_timeout_s: float = 10.0,
         stall_timeout_s: float = 60.0,
         stat_logger: StatLogger | None = None,
+        index: int | None = None,
     ) -> None:
-        """`stat_logger`: where each engine message's per-request timings go (the metrics)."""
+        """`stat_logger`: where each engine message's per-request timings go (the metrics);
+        `index`: the engine's among data-parallel engines (dp_client.py; None: the only one)."""
         self.config = config
         self.frontend = frontend
         self.detokenizer = Detokenizer(frontend.tokenizer)
@@ -102,6 +104,7 @@ class EngineClient:
             max_restarts=max_restarts,
             heartbeat_timeout_s=heartbeat_timeout_s,
             stall_timeout_s=stall_timeout_s,
+            index=index,
         )
         self._reader: asyncio.Task[None] | None = None
 
@@ -262,7 +265,7 @@ class EngineClient:
         self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.detokenizer.abort(request_id)
-            queue.put_nowait(EngineDeadError(f"the engine process {what} while serving this request"))
+            queue.put_nowait(EngineDeadError(f"{self.engine.name} process {what} while serving this request"))
         for names in self.segments.values():
             for name in names:
                 shm.unlink(name)
