@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,18 @@ def test_on_the_cpu_engines_split_the_default_budget_and_the_threads() -> None:
     assert engine_configs(config, 1, 0) == ([config], 0)  # one engine: as it was
     given = dataclasses.replace(config, memory_budget_bytes=3 << 30)
     assert engine_configs(given, 2, 3) == ([given, given], 3)  # given: each engine's
+
+
+def test_shutdown_stops_an_engine_still_loading(tiny_dir: Path) -> None:
+    """One engine failing to start stops the others, some still loading, not yet connected to
+    their sockets: shutdown must not wait on them (a Shutdown message would wait for ever)."""
+    from vlmserve.engine.frontend import load_frontend
+    from vlmserve.serve.engine_client import EngineClient
+
+    config = EngineConfig(model=str(tiny_dir), dtype="float32")
+    client = EngineClient(config, load_frontend(config), index=1)
+    loading = subprocess.Popen(["sleep", "600"])  # in place of spawn(): never connects, never ready
+    client.engine._process = loading
+    asyncio.run(asyncio.wait_for(client.shutdown(), 30))
+    assert loading.wait(30) == -signal.SIGKILL
+    assert not client._dir.exists()

@@ -75,7 +75,7 @@ class DataParallelClient:
         if size > 1:
             plan = configs[0].memory_budget_bytes
             logger.info(
-                "data parallel: %d engines, %s torch threads and %s each",
+                "data parallel: %d engines, each with torch threads: %s, and %s",
                 size,
                 engine_threads or "torch's default",
                 f"a memory budget of {plan / (1 << 30):.2f} GiB" if plan else "the default memory budget",

@@ -120,8 +120,13 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         if self.engine.running:
-            await self._push.send(encoder.encode(Shutdown()))
-            await self.engine.join(10)
+            if self.engine.ready.is_set():
+                await self._push.send(encoder.encode(Shutdown()))
+                await self.engine.join(10)
+            else:
+                # Still loading: not connected to the sockets yet (a send would wait for it for ever:
+                # with data-parallel engines, another one's failure to start stops this one).
+                await self.engine.join(0)
         if self._reader is not None:
             self._reader.cancel()
         self._push.close(linger=0)
