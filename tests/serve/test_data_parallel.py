@@ -1,6 +1,7 @@
 """`vlmserve serve --data-parallel-size 2`: one API process, two engine processes, started once
 for the module. Greedy answers under load equal the answers alone, whichever engine gave them,
-and the load spreads over both (vLLM's per-engine series on /metrics say how much). An engine
+and the load spreads over both (vLLM's per-engine series on /metrics say how much), while a
+picture sent again goes back to the engine whose prefix cache holds it. An engine
 killed fails its own request in flight only; the other serves on while it restarts (held stopped
 by the test, so that "while" is certain), then both serve again. Nothing is left behind: no
 shared-memory segment, no socket folder.
@@ -31,6 +32,7 @@ from vlmserve.engine.memory import default_budget
 from vlmserve.serve.dp_client import engine_configs
 
 TOKENS = 4
+BLOCK_SIZE = 16  # the KV cache's (EngineConfig.block_size)
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +89,35 @@ async def answers(server: Server, conversations: list[list[dict]], together: boo
         await client.close()
 
 
+async def cached_tokens(server: Server, conversations: list[list[dict]]) -> list[tuple[int, int]]:
+    """Sent together: each one's prompt tokens, and those the prefix cache of its engine held."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    try:
+
+        async def ask(messages: list[dict]) -> tuple[int, int]:
+            reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            return reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens or 0
+
+        return list(await asyncio.gather(*(ask(m) for m in conversations)))
+    finally:
+        await client.close()
+
+
 def test_32_concurrent_requests_answer_as_alone_and_spread_over_both_engines(dp_server: Server) -> None:
     conversations = requests()
     alone = asyncio.run(answers(dp_server, conversations, together=False))
     before = per_engine(dp_server)
     assert before["ready"] == [1, 1] and before["restarts"] == [0, 0]
+    # Each picture again (in another order, so that taking turns alone would send some to the
+    # other engine): its engine's prefix cache has its every full block but the last token's.
+    for prompt_tokens, cached in asyncio.run(cached_tokens(dp_server, conversations[12:][::-1])):
+        assert cached == (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
     together = asyncio.run(answers(dp_server, conversations * 2, together=True))
     assert together == alone * 2
     after = per_engine(dp_server)
     moved = [after["finished"][k] - before["finished"][k] for k in range(2)]
-    assert sum(moved) == 32
+    assert sum(moved) == 32 + 4
     assert min(moved) >= 8, f"finished per engine: {moved}"
     assert segments_left() == []
 
