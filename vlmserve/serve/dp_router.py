@@ -8,9 +8,10 @@ the turn rotates, so that requests sent one at a time alternate too.
 
 Affinity: each engine has its own prefix cache and encoder cache, so a request that repeats an
 earlier one's image, or a long prefix of its tokens, is cheaper on the engine that served that
-one. A request is keyed by its first image's content hash, else by hashes of its token prefixes
-at doubling lengths (64, 128, 256, ... tokens before its first image, salt included); the most
-specific key recently sent to an engine that is up takes it there, unless that engine has more
+one. A request is keyed by its first image's content hash (the most specific key) and by hashes
+of its token prefixes at doubling lengths (64, 128, 256, ... tokens before its first image, salt
+included); the most specific key recently sent to an engine that is up takes it there, unless
+that engine has more
 than `affinity_slack` engine requests more in flight than the least loaded one. Short prompts
 (under MIN_PREFIX_TOKENS, a chat template's preamble) have no text key: they only balance load.
 
