@@ -72,11 +72,12 @@ def metric(server: Server, name: str) -> float:
 
 
 def engine_state(server: Server) -> dict[str, float]:
-    """The gauges of GAUGES from one /metrics read (so the engine's are one snapshot)."""
+    """The gauges of GAUGES from one /metrics read (so the engine's are one snapshot; their one
+    label is engine="0", the only engine)."""
     values = {}
     for line in server.get("/metrics").text.splitlines():
         name, _, value = line.partition(" ")
-        values[name] = value
+        values[name.removesuffix('{engine="0"}')] = value
     return {key: float(values[name]) for key, name in GAUGES.items()}
 
 

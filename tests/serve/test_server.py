@@ -28,12 +28,13 @@ def offline(tiny_dir: Path) -> LLM:
 
 
 def metric_values(server: Server) -> dict[str, float]:
-    """Every sample of /metrics by its name and labels, e.g. 'vlmserve_requests_total{outcome="success"}'."""
+    """Every sample of /metrics by its name and labels, e.g. 'vlmserve_requests_total{outcome="success"}';
+    the engine's vlmserve_* series by name alone (their one label is engine="0", the only engine)."""
     values = {}
     for line in server.get("/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            values[name.removesuffix('{engine="0"}')] = float(value)
     return values
 
 

@@ -316,7 +316,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        ctx.metrics.update_engine(ctx.client.stats, ctx.client.engine.restarts)
+        for k, engine in enumerate(ctx.client.engines):
+            ctx.metrics.update_engine(engine.stats, engine.engine.restarts, k, engine.unavailable_reason is None)
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/ping", methods=["GET", "POST"])

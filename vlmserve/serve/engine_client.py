@@ -76,8 +76,10 @@ class EngineClient:
         heartbeat_timeout_s: float = 10.0,
         stall_timeout_s: float = 60.0,
         stat_logger: StatLogger | None = None,
+        index: int | None = None,
     ) -> None:
-        """`stat_logger`: where each engine message's per-request timings go (the metrics)."""
+        """`stat_logger`: where each engine message's per-request timings go (the metrics);
+        `index`: the engine's among data-parallel engines (dp_client.py; None: the only one)."""
         self.config = config
         self.frontend = frontend
         self.detokenizer = Detokenizer(frontend.tokenizer)
@@ -102,6 +104,7 @@ class EngineClient:
             max_restarts=max_restarts,
             heartbeat_timeout_s=heartbeat_timeout_s,
             stall_timeout_s=stall_timeout_s,
+            index=index,
         )
         self._reader: asyncio.Task[None] | None = None
 
@@ -117,8 +120,13 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         if self.engine.running:
-            await self._push.send(encoder.encode(Shutdown()))
-            await self.engine.join(10)
+            if self.engine.ready.is_set():
+                await self._push.send(encoder.encode(Shutdown()))
+                await self.engine.join(10)
+            else:
+                # Still loading: not connected to the sockets yet (a send would wait for it for ever:
+                # with data-parallel engines, another one's failure to start stops this one).
+                await self.engine.join(0)
         if self._reader is not None:
             self._reader.cancel()
         self._push.close(linger=0)
@@ -262,7 +270,7 @@ class EngineClient:
         self.stats = None  # its numbers describe nothing now; the next engine reports its own
         for request_id, queue in list(self.queues.items()):
             self.detokenizer.abort(request_id)
-            queue.put_nowait(EngineDeadError(f"the engine process {what} while serving this request"))
+            queue.put_nowait(EngineDeadError(f"{self.engine.name} process {what} while serving this request"))
         for names in self.segments.values():
             for name in names:
                 shm.unlink(name)

@@ -224,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--eos-token-ids", default="[]", help="JSON list: the ids that end generation")
+    parser.add_argument("--engine-index", type=int, default=None, help="its index among data-parallel engines")
     args = parser.parse_args(argv)
     # The API process's --log-level (its environment is inherited).
     level = os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper()
-    logging.basicConfig(level=level, format="[engine] " + LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    name = "engine" if args.engine_index is None else f"engine {args.engine_index}"
+    logging.basicConfig(level=level, format=f"[{name}] " + LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(**json.loads(args.config))

@@ -48,8 +48,12 @@ class EngineSupervisor:
         max_restarts: int = 3,
         heartbeat_timeout_s: float = 10.0,
         stall_timeout_s: float = 60.0,
+        index: int | None = None,
     ) -> None:
+        """`index`: the engine's, among data-parallel engines (None: the only one), in its logs."""
         self.config = config
+        self.index = index
+        self.name = "the engine" if index is None else f"engine {index}"
         # The engine loads no tokenizer: the ids that end generation come from here.
         self.eos_token_ids = eos_token_ids
         self.input_address = input_address  # the engine pulls requests here
@@ -85,6 +89,7 @@ class EngineSupervisor:
             str(self.threads),
             "--eos-token-ids",
             json.dumps(self.eos_token_ids),
+            *(["--engine-index", str(self.index)] if self.index is not None else []),
         ]
         self.ready.clear()
         self._spawned_at = time.monotonic()
@@ -115,7 +120,12 @@ class EngineSupervisor:
         self.was_ready = True
         self._last_heartbeat = time.monotonic()
         self.ready.set()
-        logger.info("engine process ready (pid %s, %.1f s after it was started)", self.pid, self.elapsed)
+        logger.info(
+            "%s process ready (pid %s, %.1f s after it was started)",
+            "engine" if self.index is None else f"engine {self.index}",
+            self.pid,
+            self.elapsed,
+        )
 
     @property
     def elapsed(self) -> float:
@@ -156,7 +166,7 @@ class EngineSupervisor:
         if self._process is None or not self.healthy or self._killed_for or self.silent_s <= self.stall_timeout_s:
             return
         self._killed_for = f"stopped responding (no heartbeat for {self.stall_timeout_s:g} s) and was killed"
-        logger.error("the engine process (pid %s) %s", self.pid, self._killed_for)
+        logger.error("%s process (pid %s) %s", self.name, self.pid, self._killed_for)
         self._process.kill()
 
     @property
@@ -173,7 +183,7 @@ class EngineSupervisor:
         happened to it, e.g. "died (exit code -9)"."""
         code = self._process.returncode if self._process else None
         if self.was_ready:
-            logger.error("the engine process exited (code %s)", code)
+            logger.error("%s process exited (code %s)", self.name, code)
         # else it never started: wait_ready() reports that, once, to whoever waits to serve
         self.ready.clear()
         return self._killed_for or f"died (exit code {code})"
@@ -183,10 +193,10 @@ class EngineSupervisor:
         died more than `max_restarts` times."""
         if self.restarts >= self.max_restarts:
             self._process = None
-            logger.error("the engine died %d times; not restarting it", self.restarts + 1)
+            logger.error("%s died %d times; not restarting it", self.name, self.restarts + 1)
             return False
         self.restarts += 1
-        logger.warning("restarting the engine (restart %d of %d)", self.restarts, self.max_restarts)
+        logger.warning("restarting %s (restart %d of %d)", self.name, self.restarts, self.max_restarts)
         self.spawn()
         return True
 

@@ -1,5 +1,7 @@
 """Prometheus metrics of the server (GET /metrics): its own counters, and the engine's numbers
-as of its latest stats message (sent every 0.5 s; all zero while no engine runs).
+as of its latest stats message (sent every 0.5 s; all zero while no engine runs). Every engine
+number is labelled `engine` (its index; "0" for the only one), one series per data-parallel
+engine, as vLLM labels its series, so that the spread over engines is visible (sum() for totals).
 
 The engine's numbers and the token counts are published twice: under vlmserve's names, and
 under the names `vllm serve` publishes (`vllm:*`, labelled model_name and engine, with vLLM's
@@ -10,7 +12,10 @@ the request's arrival)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from vlmserve.serve.messages import Stats
 from vlmserve.serve.request_stats import IterationStats
@@ -59,8 +64,24 @@ class _EngineTotal:
         self.last = total
 
 
+class _Families:
+    """Each labelled metric made once in a registry, whichever engine's series asks for it first."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.made: dict[str, Any] = {}
+        # vllm:cache_config_info: each engine's latest labels, and the gauge that shows them
+        self.cache_configs: dict[str, dict[str, str]] = {}
+        self.cache_config_info: Gauge | None = None
+
+    def get(self, cls: type[MetricWrapperBase], name: str, doc: str, labels: list[str], **kwargs: Any) -> Any:
+        if name not in self.made:
+            self.made[name] = cls(name, doc, labels, registry=self.registry, **kwargs)
+        return self.made[name]
+
+
 class Metrics:
-    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 4096, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("vlmserve_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -68,54 +89,76 @@ class Metrics:
         self.generation_tokens = Counter("vlmserve_generation_tokens", "Generated tokens", registry=r)
         self.image_tokens = Counter("vlmserve_image_tokens", "Image placeholder tokens in prompts", registry=r)
         self.in_flight = Gauge("vlmserve_requests_in_flight", "Requests the API process is serving", registry=r)
-        self.waiting = Gauge("vlmserve_num_requests_waiting", "Requests queued in the engine", registry=r)
-        self.running = Gauge("vlmserve_num_requests_running", "Requests running in the engine", registry=r)
-        self.kv_usage = Gauge("vlmserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.prefix_queries = Gauge(
-            "vlmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
-        )
-        self.prefix_hits = Gauge("vlmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.encoder_hits = Gauge("vlmserve_encoder_cache_hits", "Images served from the encoder cache", registry=r)
-        self.encoder_misses = Gauge("vlmserve_encoder_cache_misses", "Images encoded", registry=r)
-        self.preemptions = Gauge("vlmserve_preemptions", "Requests preempted since the engine started", registry=r)
-        self.engine_restarts = Gauge("vlmserve_engine_restarts", "Times the engine process was restarted", registry=r)
-        self.vllm = VllmMetrics(r, model_name, max_model_len)
 
-    def update_engine(self, stats: Stats | None, restarts: int) -> None:
-        self.engine_restarts.set(restarts)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["engine"], registry=r)
+
+        self.waiting = gauge("vlmserve_num_requests_waiting", "Requests queued in the engine")
+        self.running = gauge("vlmserve_num_requests_running", "Requests running in the engine")
+        self.kv_usage = gauge("vlmserve_kv_cache_usage_ratio", "Fraction of KV blocks in use")
+        self.prefix_queries = gauge("vlmserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = gauge("vlmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.encoder_hits = gauge("vlmserve_encoder_cache_hits", "Images served from the encoder cache")
+        self.encoder_misses = gauge("vlmserve_encoder_cache_misses", "Images encoded")
+        self.preemptions = gauge("vlmserve_preemptions", "Requests preempted since the engine started")
+        self.engine_restarts = gauge("vlmserve_engine_restarts", "Times the engine process was restarted")
+        self.engine_ready = gauge(
+            "vlmserve_engine_ready", "1 while the engine process is running, ready and heard from; else 0"
+        )
+        families = _Families(r)
+        self.vllm_engines = [
+            VllmMetrics(r, model_name, max_model_len, engine=str(k), families=families) for k in range(num_engines)
+        ]
+        self.vllm = self.vllm_engines[0]
+
+    def update_engine(self, stats: Stats | None, restarts: int, engine: int = 0, ready: bool = True) -> None:
+        """Engine `engine`'s numbers: its latest stats (None while it does not run), its restarts,
+        and whether it can take requests now."""
+        label = str(engine)
+        self.engine_restarts.labels(label).set(restarts)
+        self.engine_ready.labels(label).set(1 if ready else 0)
         if stats is None:  # no engine running (not yet, or not any more): it runs and holds nothing
             stats = Stats(0, 0, 0.0, 0, 0, 0, 0, 0)
-        self.waiting.set(stats.waiting)
-        self.running.set(stats.running)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_queries.set(stats.prefix_cache_queries)
-        self.prefix_hits.set(stats.prefix_cache_hits)
-        self.encoder_hits.set(stats.encoder_cache_hits)
-        self.encoder_misses.set(stats.encoder_cache_misses)
-        self.preemptions.set(stats.preemptions)
-        self.vllm.update_engine(stats)
+        self.waiting.labels(label).set(stats.waiting)
+        self.running.labels(label).set(stats.running)
+        self.kv_usage.labels(label).set(stats.kv_cache_usage)
+        self.prefix_queries.labels(label).set(stats.prefix_cache_queries)
+        self.prefix_hits.labels(label).set(stats.prefix_cache_hits)
+        self.encoder_hits.labels(label).set(stats.encoder_cache_hits)
+        self.encoder_misses.labels(label).set(stats.encoder_cache_misses)
+        self.preemptions.labels(label).set(stats.preemptions)
+        self.vllm_engines[engine].update_engine(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class VllmMetrics:
-    """The series `vllm serve` publishes, under its names, labels and buckets."""
+    """The series `vllm serve` publishes, under its names, labels and buckets: one engine's
+    (label `engine`); the engines of one server share `families`."""
 
-    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        r: CollectorRegistry,
+        model_name: str,
+        max_model_len: int,
+        engine: str = "0",
+        families: _Families | None = None,
+    ) -> None:
         self.registry = r
-        self.cache_config_info: Gauge | None = None
+        self.engine = engine
+        self.families = families = families or _Families(r)
         labels = ["model_name", "engine"]
-        values = (model_name, "0")
+        values = (model_name, engine)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(*values)
+            return families.get(Gauge, name, doc, labels).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(*values)
+            return families.get(Counter, name, doc, labels).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(*values)
+            return families.get(Histogram, name, doc, labels, buckets=buckets).labels(*values)
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -130,19 +173,16 @@ class VllmMetrics:
             counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, "source"], registry=r
+        by_source = families.get(
+            Counter, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, "source"]
         )
         self.prompt_tokens_by_source = {s: by_source.labels(*values, s) for s in PROMPT_TOKEN_SOURCES}
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            [*labels, "finished_reason"],
-            registry=r,
+        success = families.get(
+            Counter, "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"]
         )
         self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         token_buckets = buckets_1_2_5(max_model_len)
@@ -233,15 +273,19 @@ class VllmMetrics:
                 self.max_tokens_param.observe(finished.max_tokens_param)
 
     def log_engine_initialized(self, cache_config: dict[str, str]) -> None:
-        """vllm:cache_config_info: the KV cache as the (latest) engine built it, in its labels, at 1.
-        Labelled like vLLM's: the config's fields and `engine`, no model_name."""
-        labels = {**cache_config, "engine": "0"}
-        if self.cache_config_info is not None:
-            self.registry.unregister(self.cache_config_info)  # a restarted engine may differ
-        self.cache_config_info = Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels), registry=self.registry
+        """vllm:cache_config_info: the KV cache as each engine (its latest process) built it, in its
+        labels, at 1. Labelled like vLLM's: the config's fields and `engine`, no model_name."""
+        families = self.families
+        families.cache_configs[self.engine] = {**cache_config, "engine": self.engine}
+        if families.cache_config_info is not None:
+            self.registry.unregister(families.cache_config_info)  # a restarted engine may differ
+        names = list(families.cache_configs[self.engine])
+        families.cache_config_info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", names, registry=self.registry
         )
-        self.cache_config_info.labels(**labels).set(1)
+        for labels in families.cache_configs.values():
+            if list(labels) == names:
+                families.cache_config_info.labels(**labels).set(1)
 
     def update_engine(self, stats: Stats) -> None:
         self.running.set(stats.running)

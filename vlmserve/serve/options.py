@@ -195,6 +195,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--engine-threads", type=non_negative_int, default=0, help="torch threads in the engine (0: torch's default)"
     )
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="engine processes, each with its own model and KV cache, behind the one API process; each request "
+        "goes to the least loaded (on CUDA engine k uses cuda:k; on the CPU they share the cores and the default "
+        "memory budget)",
+    )
+    p.add_argument(
         "--max-engine-restarts",
         type=non_negative_int,
         default=3,

@@ -11,6 +11,10 @@ that the server keeps answering 503 until it is restarted. An engine process tha
 heartbeat (one every 0.5 s, from a thread of its own) for --engine-heartbeat-timeout seconds is
 not responding: /health and new requests get 503 naming it until it is heard from again; silent
 for --engine-stall-timeout seconds, it is killed and restarted as after a death.
+With --data-parallel-size N, N engine processes serve behind this one (dp_client.py), started
+together; each request goes to the least loaded one that is up, preferring one that served the
+same image or a long common prefix (dp_router.py). A dead engine is restarted alone while the
+others serve, and /health answers 200 while any engine can take requests.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from vlmserve.multimodal.media import MediaLimits
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 from vlmserve.serve import connections, memory, shm
 from vlmserve.serve.app import build_app
-from vlmserve.serve.engine_client import EngineClient
+from vlmserve.serve.dp_client import DataParallelClient
 from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.metrics import Metrics
@@ -54,7 +58,7 @@ def _networks(specs: list[str]) -> tuple[tuple[Any, int | None], ...]:
     return tuple(network_and_port(spec) for spec in specs)
 
 
-def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
+def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.model is None:
@@ -95,15 +99,16 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, EngineClient]:
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
     names = tuple(args.served_model_name or [Path(args.model).name])
-    metrics = Metrics(names[0], frontend.max_model_len)
-    client = EngineClient(
+    metrics = Metrics(names[0], frontend.max_model_len, args.data_parallel_size)
+    client = DataParallelClient(
         config,
         frontend,
+        size=args.data_parallel_size,
         threads=args.engine_threads,
         max_restarts=args.max_engine_restarts,
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
         stall_timeout_s=args.engine_stall_timeout,
-        stat_logger=metrics.vllm,
+        metrics=metrics,
     )
     ctx = ServingContext(
         frontend=frontend,
@@ -234,7 +239,7 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
 
 
 async def _serve(
-    server: DrainingServer, client: EngineClient, sock: socket.socket, backlog: int, web_ui: bool = True
+    server: DrainingServer, client: DataParallelClient, sock: socket.socket, backlog: int, web_ui: bool = True
 ) -> None:
     """The engine first (loading and profiling the model), then the HTTP server on `sock`."""
     try:
@@ -249,7 +254,11 @@ async def _serve(
         raise
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-    log_banner(logger, client.engine.summary, f"vlmserve {package_version()} ready", url)
+    summary = client.engines[0].engine.summary
+    if len(client.engines) > 1:
+        pids = ", ".join(f"{k} (pid {engine.engine.pid})" for k, engine in enumerate(client.engines))
+        summary = {**summary, "data parallel": f"{len(client.engines)} engines: {pids}"}
+    log_banner(logger, summary, f"vlmserve {package_version()} ready", url)
     if web_ui:
         logger.info("chat page: open %s/ in a browser (--disable-web-ui: no page)", url.removesuffix("/v1"))
     await server.serve(sockets=[sock])

@@ -16,7 +16,8 @@ from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.engine_client import EngineClient, RequestFailedInEngine, RequestRefused
+from vlmserve.serve.dp_client import DataParallelClient
+from vlmserve.serve.engine_client import RequestFailedInEngine, RequestRefused
 from vlmserve.serve.engine_supervisor import EngineDeadError
 from vlmserve.serve.fetch import FetchPolicy
 from vlmserve.serve.media_cache import MediaUUIDCache
@@ -37,7 +38,7 @@ request_arrival: ContextVar[float | None] = ContextVar("request_arrival", defaul
 @dataclass
 class ServingContext:
     frontend: Frontend
-    client: EngineClient
+    client: DataParallelClient
     metrics: Metrics
     fetch_policy: FetchPolicy
     model_name: str  # the name responses carry

@@ -22,7 +22,7 @@ from vlmserve.engine.frontend import Frontend
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.serve.engine_client import EngineClient
+from vlmserve.serve.dp_client import DataParallelClient
 
 
 def beam_search_params(params: SamplingParams, length_penalty: float, max_model_len: int) -> BeamSearchParams:
@@ -40,7 +40,7 @@ def beam_search_params(params: SamplingParams, length_penalty: float, max_model_
 
 
 async def beam_search(
-    client: EngineClient,
+    client: DataParallelClient,
     frontend: Frontend,
     request_id: str,
     prompt: ProcessedPrompt,
@@ -73,7 +73,7 @@ async def beam_search(
 
 
 async def _final(
-    client: EngineClient, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
+    client: DataParallelClient, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
 ) -> RequestOutput | None:
     final = None
     async with aclosing(client.generate(request_id, prompt, params)) as outputs:
