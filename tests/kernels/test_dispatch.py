@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.guard import before_guard_page
 from vlmserve.kernels import cpu, dispatch, select_linear_op
 from vlmserve.kernels.dispatch import BUCKETS, CpuLinearDispatch, build_dispatch, table_choice
 
@@ -54,7 +55,7 @@ def test_avx512_kernel_builds_where_the_cpu_and_a_compiler_allow() -> None:
 
 # in (k) not a multiple of 32 (the masked tail) or below 32; out (n) not a multiple of the 8 / 4
 # weight rows a tile takes; rows 1..40 and past one 64-row block.
-SHAPES = [(7, 13), (33, 97), (130, 1176), (4099, 200), (9, 64)]
+SHAPES = [(7, 13), (33, 97), (130, 1176), (1027, 200), (9, 64)]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 31, 32, 33, 40, 67]
 
 
@@ -83,6 +84,15 @@ def test_avx512_kernel_matches_the_fp32_product(n: int, k: int, with_bias: bool)
 
 
 @needs_avx512
+@pytest.mark.parametrize("rows", [1, 5])
+def test_avx512_kernel_reads_nothing_past_the_weights(rows: int) -> None:
+    assert avx512 is not None
+    x = torch.randn(rows, 45).bfloat16()
+    w = before_guard_page(torch.randn(9, 45).bfloat16())  # a partial 32-wide chunk at the very end
+    _check_rounded_once(avx512.linear_bf16(x, w, None), F.linear(x.float(), w.float()))
+
+
+@needs_avx512
 def test_avx512_kernel_takes_leading_dims_and_strided_inputs() -> None:
     assert avx512 is not None
     x = torch.randn(2, 3, 5, 80).bfloat16()[..., ::2]  # [2, 3, 5, 40], strided
@@ -95,8 +105,8 @@ def test_avx512_kernel_takes_leading_dims_and_strided_inputs() -> None:
 # -- the choice ---------------------------------------------------------------------------------------
 
 
-def test_table_prefers_avx512_up_to_32_rows_and_torch_above_and_avx2_without_avx512() -> None:
-    assert [table_choice({"avx2", "avx512", "torch"}, b) for b in BUCKETS] == ["avx512"] * 3 + ["torch"]
+def test_table_prefers_avx512_up_to_8_rows_and_torch_above_and_avx2_without_avx512() -> None:
+    assert [table_choice({"avx2", "avx512", "torch"}, b) for b in BUCKETS] == ["avx512"] * 2 + ["torch"] * 2
     assert [table_choice({"avx2", "torch"}, b) for b in BUCKETS] == ["avx2"] * 4
     assert [table_choice({"torch"}, b) for b in BUCKETS] == ["torch"] * 4
 
@@ -131,7 +141,7 @@ def test_each_call_takes_its_shape_and_buckets_path() -> None:
     assert calls == ["torch", "avx512"] and out.shape == (2, 3, 5)
     calls.clear()
     op(torch.randn(1, 4), torch.randn(7, 4), None)  # a shape not chosen for: the table's choice
-    assert calls == ["avx512"] and op.choices[(7, 4)] == ("avx512", "avx512", "avx512", "torch")
+    assert calls == ["avx512"] and op.choices[(7, 4)] == ("avx512", "avx512", "torch", "torch")
 
 
 @pytest.fixture
@@ -177,8 +187,8 @@ def test_measurement_overrides_the_table_only_when_clearly_faster(
         [
             (1.0, 2.0, 3.0),  # avx2 2x faster than the table's avx512: taken
             (1.0, 1.1, 3.0),  # avx2 faster, but within the margin: the table's avx512
-            (3.0, 2.0, 1.0),  # torch 2x faster: taken
             (1.0, 3.0, 1.1),  # avx2 faster than the table's torch, within the margin: torch
+            (3.0, 1.0, 2.0),  # avx512 2x faster than the table's torch: taken
         ]
     )
     seen: list[tuple[int, ...]] = []
@@ -190,7 +200,7 @@ def test_measurement_overrides_the_table_only_when_clearly_faster(
     monkeypatch.setattr(dispatch, "_time_paths", fake_time)
     op = build_dispatch([(6, 4)])
     assert isinstance(op, CpuLinearDispatch)
-    assert op.choices == {(6, 4): ("avx2", "avx512", "torch", "torch")}
+    assert op.choices == {(6, 4): ("avx2", "avx512", "torch", "avx512")}
     assert [s[0] for s in seen] == [b.rows for b in BUCKETS] and all(s[1:] == (6, 4) for s in seen)
     assert op.to_json()["measured_ms"]["6x4"]["1"] == {"avx2": 1.0, "avx512": 2.0, "torch": 3.0}
 
@@ -213,7 +223,7 @@ def test_measurement_slices_big_layers_and_stops_when_its_budget_is_spent(
     assert seen[0] == (1, dispatch.MEASURE_BYTES // (2 * 1536), 1536)
     assert seen[3] == (128, int(dispatch.MEASURE_FLOPS // (2 * 128 * 1536)), 1536)
     assert len(seen) == 4 and list(times) == [(151936, 1536)]
-    assert left_over == 4 and choices[(6, 4)] == ("avx512", "avx512", "avx512", "torch")
+    assert left_over == 4 and choices[(6, 4)] == ("avx512", "avx512", "torch", "torch")
 
 
 # -- what this machine has ------------------------------------------------------------------------------

@@ -96,12 +96,13 @@ def forced_path() -> str | None:
 
 
 def table_choice(paths: Iterable[str], bucket: Bucket) -> str:
-    """The choice without a measurement (measured on AMD EPYC Zen 4, docs/benchmarks.md): the
-    AVX-512 kernel up to 32 rows and torch's oneDNN above; on AVX2-only CPUs the AVX2 kernel at
+    """The choice without a measurement (`python -m vlmserve.bench.kernels` on an AMD EPYC Zen 4,
+    docs/benchmarks.md): the AVX-512 kernel up to 8 rows (1.1-1.9x torch at one row, level at 8),
+    torch's oneDNN from 9 rows (10-30% ahead of it at 32); on AVX2-only CPUs the AVX2 kernel at
     every size (torch's bf16 product there is a generic ~20 GFLOP/s kernel)."""
     paths = set(paths)
     if "avx512" in paths:
-        return "avx512" if bucket.high <= 32 else "torch"
+        return "avx512" if bucket.high <= 8 else "torch"
     return "avx2" if "avx2" in paths else "torch"
 
 

@@ -66,7 +66,7 @@ def build_model(
         logger.info(
             "int8 weight-only: %d linear layers quantized; decode path: %s",
             len(names),
-            "vlmserve CPU int8 kernel" if kernel is not None else "dequantize per call",
+            kernel.describe() if kernel is not None else "dequantize per call",
         )
     bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model)))
     model.eval()
