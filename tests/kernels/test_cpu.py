@@ -24,6 +24,7 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.torch_backend import TorchAttentionBackend
 from vlmserve.kernels import cpu, select_linear_op
 from vlmserve.kernels.cpu import GEMM_ROWS, decode_kernel_applies, load_cpu_kernels
+from vlmserve.kernels.dispatch import CpuLinearDispatch
 
 
 def _why_no_kernels() -> str | None:
@@ -301,7 +302,10 @@ class FakeKernels:
 def test_selection_is_made_per_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeKernels()
     monkeypatch.setattr(cpu, "load_cpu_kernels", lambda: fake)
-    assert select_linear_op(torch.device("cpu"), torch.bfloat16) == fake.linear_bf16
+    monkeypatch.setattr(cpu, "load_avx512_kernels", lambda: None)
+    monkeypatch.setenv("VLMSERVE_CPU_PATH", "avx2")
+    op = select_linear_op(torch.device("cpu"), torch.bfloat16, [(8, 4)])
+    assert isinstance(op, CpuLinearDispatch) and op.ops == {"avx2": fake.linear_bf16}
     assert select_linear_op(torch.device("cpu"), torch.float32) is F.linear
     assert select_linear_op(torch.device("cuda"), torch.bfloat16) is F.linear
     decode = select_backend(torch.device("cpu"))

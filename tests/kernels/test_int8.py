@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.guard import before_guard_page
 from tests.kernels.test_cpu import CANNOT_BUILD
-from vlmserve.kernels import int8
-from vlmserve.kernels.int8 import KERNEL_MAX_ROWS, dequantize_int8, int8_linear, load_int8_kernel
+from vlmserve.kernels import cpu, int8
+from vlmserve.kernels.int8 import KERNEL_MAX_ROWS, Int8Kernel, dequantize_int8, int8_linear, load_int8_kernel
 
 kernel = load_int8_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"no compiled int8 kernel: {CANNOT_BUILD or 'build failed'}")
@@ -69,3 +74,110 @@ def test_int8_linear_on_both_paths_keeps_shape_dtype_and_values(
     expected = F.linear(x3.float(), weight, bias.bfloat16().float())
     # bf16 output rounding (the kernel path keeps the weights in fp32, the GEMM path rounds them to bf16)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+# -- the AVX-512 BF16 decode kernel (cpu_int8_avx512.c) and the path choice ---------------------------
+
+avx512 = kernel.avx512 if kernel is not None else None
+needs_avx512 = pytest.mark.skipif(
+    avx512 is None,
+    reason="no AVX-512 BF16 int8 kernel: "
+    + ("this CPU lacks AVX-512 F/BW/BF16" if not cpu._cpu_has_avx512_bf16() else "it did not build, or no AVX2 kernel"),
+)
+
+
+def test_avx512_int8_kernel_builds_where_the_cpu_has_avx512_bf16() -> None:
+    if CANNOT_BUILD is not None or not cpu._cpu_has_avx512_bf16() or os.environ.get("VLMSERVE_CPU_PATH"):
+        pytest.skip("this machine cannot have it (no AVX-512 BF16, no compiler, or a path forced)")
+    assert avx512 is not None
+
+
+@needs_avx512
+@pytest.mark.parametrize(("n", "k"), [(7, 13), (33, 97), (1027, 200), (9, 64), (130, 1537)])
+def test_avx512_int8_kernel_matches_the_float_product_of_dequantized_weights(n: int, k: int) -> None:
+    assert avx512 is not None
+    for m in (1, 2, 3, 4, 5, 9, 31, 40):
+        x, q, scale, bias = _case(m, n, k, seed=n + m)
+        xb = x.bfloat16()  # the kernel's input: bf16 activations, exact in fp32 / fp64 below
+        expected = F.linear(xb.double(), q.double() * scale.double()[:, None], bias.double())
+        bound = 1e-6 * k * (xb.abs().double() @ (q.double().abs() * scale.double()[:, None]).T) + 1e-6
+        for b in (None, bias):
+            got = avx512.linear(xb, q, scale, b)
+            want = expected if b is not None else expected - bias.double()
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert ((got.double() - want).abs() <= bound).all()
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 5])
+def test_avx512_int8_kernel_reads_nothing_past_the_weights(rows: int) -> None:
+    assert avx512 is not None
+    x, q, scale, _ = _case(rows, 9, 45)
+    q = before_guard_page(q)  # a partial 32-wide chunk at the very end
+    expected = F.linear(x.bfloat16().double(), q.double() * scale.double()[:, None])
+    torch.testing.assert_close(avx512.linear(x.bfloat16(), q, scale, None).double(), expected)
+
+
+class FakePath:
+    def __init__(self, name: str, calls: list[tuple[str, torch.dtype]]) -> None:
+        self.name, self.calls = name, calls
+
+    def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        self.calls.append((self.name, x.dtype))
+        return torch.zeros(x.shape[0], q.shape[0])
+
+
+def test_int8_linear_takes_avx512_for_bf16_and_avx2_for_fp32_activations() -> None:
+    calls: list[tuple[str, torch.dtype]] = []
+    fake = Int8Kernel.__new__(Int8Kernel)  # no library: both products recorded, dequantizing by torch
+    fake.linear = FakePath("avx2", calls).linear  # type: ignore[method-assign]
+    fake.avx512 = FakePath("avx512", calls)  # type: ignore[assignment]
+    fake.dequantize = lambda q, s, dtype: (q.float() * s[:, None]).to(dtype)  # type: ignore[method-assign]
+    x, q, scale, bias = _case(3, 21, 48)
+    int8_linear(x.bfloat16(), q, scale, bias.bfloat16(), fake)
+    int8_linear(x, q, scale, bias, fake)
+    int8_linear(torch.randn(KERNEL_MAX_ROWS + 1, 48).bfloat16(), q, scale, None, fake)  # prefill: dequantized
+    assert calls == [("avx512", torch.bfloat16), ("avx2", torch.float32)]
+    fake.decode = False  # VLMSERVE_CPU_PATH=torch
+    int8_linear(x.bfloat16(), q, scale, None, fake)
+    assert len(calls) == 2
+
+
+@pytest.fixture
+def fresh_int8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """load_int8_kernel un-cached, reading a fake /proc/cpuinfo (this machine's, unless rewritten)."""
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(Path("/proc/cpuinfo").read_text())
+    monkeypatch.setattr(cpu, "CPUINFO", fake)
+    monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
+    monkeypatch.delenv("VLMSERVE_CPU_KERNELS", raising=False)
+    load_int8_kernel.cache_clear()
+    yield fake
+    load_int8_kernel.cache_clear()
+
+
+@needs_avx512
+def test_the_cpu_path_variable_picks_the_int8_decode_path(fresh_int8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def loaded(path: str | None) -> Int8Kernel:
+        if path is None:
+            monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
+        else:
+            monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
+        load_int8_kernel.cache_clear()
+        k = load_int8_kernel()
+        assert k is not None
+        return k
+
+    auto = loaded(None)
+    assert auto.decode and auto.avx512 is not None and "AVX-512" in auto.describe()
+    assert loaded("avx512").avx512 is not None
+    avx2 = loaded("avx2")
+    assert avx2.decode and avx2.avx512 is None and "cpu_int8.c (AVX2)" in avx2.describe()
+    torch_path = loaded("torch")
+    assert not torch_path.decode and "dequantize per call" in torch_path.describe()
+    x, q, scale, _ = _case(2, 21, 48)
+    got = int8_linear(x.bfloat16(), q, scale, None, torch_path)  # decode rows, yet dequantized
+    expected = F.linear(x.bfloat16(), dequantize_int8(q, scale, torch.bfloat16))
+    assert torch.equal(got, expected)
+    fresh_int8.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")  # AVX-512 disabled
+    assert loaded(None).avx512 is None and loaded("avx512").avx512 is None

@@ -30,6 +30,8 @@ from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import make_workload
 from vlmserve.entrypoints.llm import LLM
+from vlmserve.kernels.dispatch import linear_op_json
+from vlmserve.models.layers import bound_linear_op
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "vlmserve_startup_s": round(time.perf_counter() - t0, 2),
         "memory_plan": engine.memory_plan.describe(),
+        # Which matrix product each layer shape and row count got (CPU bf16: kernels/dispatch.py).
+        "linear_layers": linear_op_json(bound_linear_op(engine.model)),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     size = (args.image_size, args.image_size)
@@ -163,11 +167,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     results["sweeps"] = _sweeps(args, llm, hf_model if args.sweep_hf else None, phases)
     report["results"] = results
+    _print_linear_layers(report["linear_layers"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, args.out / "bench.png")
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     return report
+
+
+def _print_linear_layers(linear: dict[str, Any]) -> None:
+    print(f"\nvlmserve's linear layers: {linear['how']}")
+    choices = linear.get("choices")
+    if choices:
+        rows = [{"shape": shape} | paths for shape, paths in choices.items()]
+        _print_table("path per layer shape (out x in) and rows", rows, ["shape", *linear["buckets"]])
 
 
 def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -> dict[str, list[dict[str, Any]]]:

@@ -87,6 +87,7 @@ def bench_ops(n: int, k: int, repeat: int) -> None:
     sbs = [s.bfloat16() for _, s in qs]
     del ws
     kernel = load_int8_kernel()
+    avx512 = kernel.avx512 if kernel is not None else None
 
     def each(f: Callable[[int, torch.Tensor], object], x: torch.Tensor) -> Callable[[], None]:
         def run() -> None:
@@ -105,6 +106,8 @@ def bench_ops(n: int, k: int, repeat: int) -> None:
         }
         if kernel is not None:
             row["cpu_int8.c"] = each(lambda i, x: kernel.linear(x, qs[i][0], qs[i][1], None), xf)
+        if avx512 is not None:
+            row["cpu_int8_avx512.c"] = each(lambda i, x: avx512.linear(x, qs[i][0], qs[i][1], None), x)
         row["chosen (int8_linear)"] = each(lambda i, x: int8_linear(x, qs[i][0], qs[i][1], None, kernel), x)
         times = {name: _time_ms(f, repeat) / copies for name, f in row.items()}
         print(f"  M={m:<4} " + "  ".join(f"{name} {t:.2f}" for name, t in times.items()))

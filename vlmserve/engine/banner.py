@@ -9,10 +9,10 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from vlmserve.engine.core import EngineCore
-from vlmserve.kernels import select_linear_op
+from vlmserve.kernels.dispatch import describe_linear_op
+from vlmserve.models.layers import bound_linear_op
 
 # The x86 features vlmserve's CPU kernels and torch's bf16 paths care about.
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
@@ -45,9 +45,10 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     info = core.model_info
     plan = core.memory_plan
     decode_kernel = getattr(core.backend, "decode_kernel", None)
-    graphs = core.runner.decode_graphs if core.executor.tensor_parallel_size == 1 else None
+    in_process = core.executor.tensor_parallel_size == 1
+    graphs = core.runner.decode_graphs if in_process else None
     tp, nnodes = core.config.tensor_parallel_size, core.config.nnodes
-    linear = select_linear_op(core.device, core.dtype)  # cached: the op the model was bound to
+    linear = bound_linear_op(core.model) if in_process else None
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
@@ -58,7 +59,13 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
         "attention": f"{core.backend.name} ({'SDPA' if core.backend.name == 'torch' else 'Triton kernels'})"
         + (f"; decode: CUDA graphs ({len(graphs.buckets)} batch sizes)" if graphs is not None else "")
         + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else ""),
-        "linear layers": "torch (F.linear)" if linear is F.linear else "vlmserve CPU bf16 kernel",
+        "linear layers": (
+            "chosen in each rank process"
+            if not in_process
+            else "none"
+            if linear is None
+            else describe_linear_op(linear)
+        ),
         "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
     }
 

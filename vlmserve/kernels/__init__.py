@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -11,13 +11,12 @@ import torch.nn.functional as F
 LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-def select_linear_op(device: torch.device, dtype: torch.dtype) -> LinearOp:
-    """The matrix product for Linear layers: the CPU bf16 kernel where it builds and the CPU
-    supports it, torch's F.linear everywhere else."""
+def select_linear_op(device: torch.device, dtype: torch.dtype, shapes: Iterable[tuple[int, int]] = ()) -> LinearOp:
+    """The matrix product for Linear layers: on the CPU in bf16, per layer shape (out, in) and
+    row count, the fastest of the CPU kernels that build here and torch's (kernels/dispatch.py);
+    torch's F.linear everywhere else."""
     if device.type == "cpu" and dtype == torch.bfloat16:
-        from vlmserve.kernels.cpu import load_cpu_kernels
+        from vlmserve.kernels.dispatch import build_dispatch
 
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return kernels.linear_bf16
+        return build_dispatch(shapes)
     return F.linear

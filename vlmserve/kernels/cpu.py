@@ -1,9 +1,11 @@
-"""Loads the CPU bf16 linear kernel (cpu_linear.c): compiled with the system C compiler on first
-use, cached by source hash, called through ctypes (which releases the GIL).
+"""Loads the CPU bf16 kernels: cpu_linear.c (AVX2: linear layers and paged decode attention) and
+cpu_linear_avx512.c (AVX-512 BF16: linear layers), each compiled with the system C compiler on
+first use with its own -m flags, cached by source and flags hash, called through ctypes (which
+releases the GIL). Which one a layer uses is decided in kernels/dispatch.py.
 
-Nothing here runs at import time. `load_cpu_kernels()` returns None, and callers keep torch's
-own path, when the CPU lacks AVX2/FMA/F16C, no compiler is found, the build fails, or
-VLMSERVE_CPU_KERNELS=0.
+Nothing here runs at import time. `load_cpu_kernels()` (`load_avx512_kernels()`) returns None,
+and callers keep another path, when the CPU lacks AVX2/FMA/F16C (AVX-512 F/BW/BF16), no
+compiler is found, the build fails, or VLMSERVE_CPU_KERNELS=0.
 """
 
 from __future__ import annotations
@@ -24,37 +26,58 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+AVX512_SOURCE = Path(__file__).with_name("cpu_linear_avx512.c")
+AVX512_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # At or above this many rows a linear layer is compute-bound: widen the weights once and use
 # torch's fp32 GEMM (MKL), which blocks for the caches far better than a simple kernel.
 GEMM_ROWS = 96
 
 
-def _cpu_has_avx2(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+# Read for the CPU's features; tests point it at a fake file.
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpu_flags(cpuinfo: Path | None) -> set[str]:
     try:
-        flags = cpuinfo.read_text()
+        text = (cpuinfo or CPUINFO).read_text()
     except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def _cpu_has_avx2(cpuinfo: Path | None = None) -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags(cpuinfo)
+
+
+def _cpu_has_avx512_bf16(cpuinfo: Path | None = None) -> bool:
+    """What cpu_linear_avx512.c's instructions need: AVX-512 F (zmm), BW (masked 16-bit loads), BF16."""
+    return {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags(cpuinfo)
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("VLMSERVE_CACHE", Path.home() / ".cache" / "vlmserve")) / "kernels"
 
 
-def _build(source: Path) -> Path | None:
+def _build(source: Path, flags: list[str] = FLAGS) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
         if result.returncode != 0:
-            logger.warning("building the CPU kernels failed; using torch's kernels:\n%s", result.stderr[-2000:])
+            logger.warning(
+                "building the CPU kernels failed (%s); using another path:\n%s", source.name, result.stderr[-2000:]
+            )
             return None
         os.replace(built, target)  # atomic: concurrent builders agree
     return target
@@ -163,4 +186,40 @@ def load_cpu_kernels() -> CpuKernels | None:
         return CpuKernels(library) if library else None
     except OSError as e:
         logger.warning("loading the CPU kernels failed (%s); using torch's kernels", e)
+        return None
+
+
+class Avx512Kernels:
+    """cpu_linear_avx512.c: the bf16 linear product with AVX-512 BF16 dot products, any row count."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))  # loaded after torch: shares its OpenMP pool
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.vlm_linear_bf16_avx512.argtypes = [p, p, p, p, i64, i64, i64]
+        lib.vlm_linear_bf16_avx512.restype = None
+        self._lib = lib
+        self.path = library
+
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] bf16, weight [N, K] bf16, bias [N] bf16 -> [..., N] bf16 (fp32 sums, one rounding)."""
+        k = x.shape[-1]
+        n = weight.shape[0]
+        x2 = x.reshape(-1, k).contiguous()
+        assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        self._lib.vlm_linear_bf16_avx512(
+            x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x2.shape[0], n, k
+        )
+        return y.reshape(*x.shape[:-1], n)
+
+
+@cache
+def load_avx512_kernels() -> Avx512Kernels | None:
+    if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
+        return None
+    try:
+        library = _build(AVX512_SOURCE, AVX512_FLAGS)
+        return Avx512Kernels(library) if library else None
+    except OSError as e:
+        logger.warning("loading the AVX-512 CPU kernel failed (%s); using another path", e)
         return None

@@ -18,9 +18,12 @@ So: up to KERNEL_MAX_ROWS rows (decode, batched decode) -> cpu_int8.c where it b
 (prefill, compute-bound) -> dequantize into the activation dtype (cpu_int8.c's converter) and
 the model's float product (the layer's bound `op`). Without the C kernel (no AVX2, no compiler,
 VLMSERVE_CPU_KERNELS=0) every size takes the dequantize path: correct, slower for decode.
-NOTE: on this AVX-512 BF16 machine a batch of 32+ decoding sequences runs faster in bf16 than in
-int8 (torch's bf16 product is bound by bandwidth there, the int8 widening by compute on AVX2);
-an AVX-512 / VNNI int8 kernel is the next step (issue 18, item 1's dispatch).
+NOTE: on this AVX-512 BF16 machine a batch of 32+ decoding sequences ran faster in bf16 than in
+int8 with cpu_int8.c (torch's bf16 product is bound by bandwidth there, the int8 widening by
+compute on AVX2). So where the CPU has AVX-512 BF16 and the activations are bf16, the decode path
+is cpu_int8_avx512.c (int8 widened to bf16 once per weight tile, 32-wide bf16 dot products; its
+own .so, built with its own -m flags). VLMSERVE_CPU_PATH (kernels/dispatch.py) forces a path here
+too: avx2 -> cpu_int8.c, avx512 -> cpu_int8_avx512.c, torch -> dequantize per call at every size.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from vlmserve.kernels import LinearOp
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_int8.c")
+AVX512_SOURCE = Path(__file__).with_name("cpu_int8_avx512.c")
 # Up to this many rows the weights' bytes bound the product (decode of a batch); above, compute
 # does and torch's GEMM on dequantized weights is faster.
 KERNEL_MAX_ROWS = 64
@@ -46,7 +50,48 @@ KERNEL_MAX_ROWS = 64
 DEQUANT_ROWS = 4096
 
 
+class Int8Avx512Kernel:
+    """cpu_int8_avx512.c: the decode product for bf16 activations."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))  # loaded after torch: shares its OpenMP pool
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.vlm_linear_int8_avx512.argtypes = [p, p, p, p, p, i64, i64, i64]
+        lib.vlm_linear_int8_avx512.restype = None
+        self._lib = lib
+        self.path = library
+
+    def linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias [N] fp32 -> [M, N] fp32."""
+        m, k = x.shape
+        n = qweight.shape[0]
+        assert x.dtype == torch.bfloat16 and qweight.shape == (n, k) and qweight.dtype == torch.int8
+        assert qweight.is_contiguous() and scales.dtype == torch.float32 and scales.shape == (n,)
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib.vlm_linear_int8_avx512(
+            x.data_ptr(),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            m,
+            n,
+            k,
+        )
+        return y
+
+
 class Int8Kernel:
+    # The AVX-512 BF16 decode kernel, where this machine has it and the path allows it (bf16
+    # activations only; fp32 ones keep this AVX2 kernel, exact for them).
+    avx512: Int8Avx512Kernel | None = None
+    # False where VLMSERVE_CPU_PATH=torch: decode dequantizes per call too (this object then only
+    # does the dequantizing).
+    decode = True
+
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))  # loaded after torch: shares its OpenMP pool
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -79,6 +124,12 @@ class Int8Kernel:
         )
         return y
 
+    def describe(self) -> str:
+        if not self.decode:
+            return "dequantize per call (VLMSERVE_CPU_PATH=torch)"
+        kernel = "cpu_int8_avx512.c (AVX-512 BF16) for bf16 activations" if self.avx512 else "cpu_int8.c (AVX2)"
+        return f"vlmserve CPU int8 kernel up to {KERNEL_MAX_ROWS} rows: {kernel}"
+
     def dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] int8, [N] fp32 -> [N, K] fp32 or bf16 (rounded to nearest even once)."""
         assert qweight.is_contiguous() and scales.dtype == torch.float32 and scales.is_contiguous()
@@ -92,13 +143,26 @@ class Int8Kernel:
 
 @cache
 def load_int8_kernel() -> Int8Kernel | None:
-    from vlmserve.kernels.cpu import _build, _cpu_has_avx2
+    """The int8 kernels for the path VLMSERVE_CPU_PATH asks for (kernels/dispatch.py; auto: the
+    AVX-512 one where it builds, else AVX2); None for "torch" or where none builds."""
+    from vlmserve.kernels.cpu import AVX512_FLAGS, _build, _cpu_has_avx2, _cpu_has_avx512_bf16
+    from vlmserve.kernels.dispatch import forced_path
 
+    path = forced_path()
     if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
         return None
     try:
         library = _build(SOURCE)
-        return Int8Kernel(library) if library else None
+        if library is None:
+            return None
+        kernel = Int8Kernel(library)
+        kernel.decode = path != "torch"
+        if path in (None, "avx512") and _cpu_has_avx512_bf16():
+            avx512 = _build(AVX512_SOURCE, AVX512_FLAGS)
+            kernel.avx512 = Int8Avx512Kernel(avx512) if avx512 else None
+        if path == "avx512" and kernel.avx512 is None:
+            logger.warning("VLMSERVE_CPU_PATH=avx512: no AVX-512 BF16 int8 kernel here; using the AVX2 one")
+        return kernel
     except OSError as e:
         logger.warning("loading the int8 CPU kernel failed (%s); dequantizing per call instead", e)
         return None
@@ -126,8 +190,12 @@ def int8_linear(
     k = x.shape[-1]
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)
-    if kernel is not None and x.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
-        out = kernel.linear(x2.float(), qweight, scales, None if bias is None else bias.float())
+    if kernel is not None and kernel.decode and x.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
+        b = None if bias is None else bias.float()
+        if kernel.avx512 is not None and x2.dtype == torch.bfloat16:
+            out = kernel.avx512.linear(x2, qweight, scales, b)
+        else:
+            out = kernel.linear(x2.float(), qweight, scales, b)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     # NOTE: dequantized DEQUANT_ROWS output channels at a time, so a vocabulary-sized lm_head
     # never holds a full-precision copy (151936 x 1536 in bf16 would be 0.47 GB).

@@ -14,7 +14,7 @@ from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
 from vlmserve.model_files import count_weights, iterate_weights
 from vlmserve.models.base import VLModel
-from vlmserve.models.layers import bind_linear_op
+from vlmserve.models.layers import bind_linear_op, linear_shapes
 from vlmserve.models.quant import read_packed_config, resolve_quantization
 from vlmserve.models.quant.packed import dequantize_weights
 from vlmserve.progress import progress
@@ -66,9 +66,9 @@ def build_model(
         logger.info(
             "int8 weight-only: %d linear layers quantized; decode path: %s",
             len(names),
-            "vlmserve CPU int8 kernel" if kernel is not None else "dequantize per call",
+            kernel.describe() if kernel is not None else "dequantize per call",
         )
-    bind_linear_op(model, select_linear_op(device, dtype))
+    bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model)))
     model.eval()
     model.requires_grad_(False)
     return model

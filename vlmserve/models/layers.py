@@ -29,6 +29,16 @@ def bind_linear_op(model: nn.Module, op: LinearOp) -> None:
             module.op = op  # type: ignore[assignment]
 
 
+def bound_linear_op(model: nn.Module) -> LinearOp | None:
+    """The op bind_linear_op bound (the first Linear layer's), None for a model without one."""
+    return next((m.op for m in model.modules() if isinstance(m, Linear)), None)
+
+
+def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
+    """The (out, in) shapes of the model's Linear layers: what the linear op is chosen for."""
+    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

@@ -1,0 +1,123 @@
+/*
+ * Weight-only int8 linear layers for decode on x86-64 CPUs with AVX-512 BF16, bf16 activations:
+ * built as its own shared object with its own -m flags (kernels/int8.py), like cpu_linear_avx512.c.
+ *
+ * y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ b[N]); x bf16 (uint16_t); q int8; scale, b, y
+ * fp32; row-major contiguous. Each int8 weight is widened in registers to bf16, which holds every
+ * integer in [-128, 127] exactly, and multiplied with vdpbf16ps (exact bf16 products, fp32 sums):
+ * the same values cpu_int8.c computes from the same bf16 activations widened to fp32, summed in
+ * another order. The per-channel scale multiplies the fp32 sum once.
+ *
+ * Why not AVX-512 VNNI (vpdpbusd): it multiplies 8-bit integers by 8-bit integers, so the
+ * activations would have to be quantized too (W8A8), another model's arithmetic. Why this kernel:
+ * cpu_int8.c turns compute-bound past a few rows on its int8 -> fp32 widening and 8-wide FMAs
+ * (see kernels/int8.py); here one row of weights is widened once per tile of 4 weight rows and
+ * then serves every activation row with 32-wide dot products.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NR 4  /* weight rows per tile */
+#define MR 4  /* activation rows per tile: 16 accumulators */
+#define NR1 4 /* weight rows in flight for one activation row */
+
+/* 32 int8 -> 32 bf16, exact. `mask`: the bytes to read (the rest read as zero). */
+static inline __m512bh widen32(const int8_t *p, __mmask64 mask) {
+    const __m512i v = _mm512_maskz_loadu_epi8(mask, (const void *)p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __m512bh load32(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __mmask64 tail_mask(int64_t K, int64_t k) {
+    const int64_t left = K - k;
+    return left >= 32 ? (__mmask64)0xffffffffu : (((__mmask64)1 << left) - 1);
+}
+
+/* One activation row (xp: Kp bf16, zero past K): NR1 weight rows streamed, widened in registers. */
+static void linear_row(const uint16_t *xp, const int8_t *q, const float *scale, const float *b, float *y, int64_t N,
+                       int64_t K) {
+    const int64_t tiles = (N + NR1 - 1) / NR1;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR1;
+        const int nr = (int)(N - n0 < NR1 ? N - n0 : NR1);
+        const int8_t *wr[NR1];
+        for (int r = 0; r < NR1; r++) wr[r] = q + (n0 + (r < nr ? r : nr - 1)) * K;
+        __m512 acc[NR1];
+        for (int r = 0; r < NR1; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            const __mmask64 mask = tail_mask(K, k);
+            const __m512bh xv = load32(xp + k);
+            for (int r = 0; r < NR1; r++) acc[r] = _mm512_dpbf16_ps(acc[r], widen32(wr[r] + k, mask), xv);
+        }
+        float s[4];
+        _mm_storeu_ps(s, reduce4(acc[0], acc[1], acc[2], acc[3]));
+        for (int r = 0; r < nr; r++) y[n0 + r] = s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f);
+    }
+}
+
+void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *scale, const float *b, float *y,
+                            int64_t M, int64_t N, int64_t K) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t Kp = (K + 31) & ~(int64_t)31;
+    const int64_t Mp = (M + MR - 1) / MR * MR;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(Mp * Kp * sizeof(uint16_t)));
+    memset(xp, 0, (size_t)(Mp * Kp * sizeof(uint16_t)));
+    for (int64_t m = 0; m < M; m++) memcpy(xp + m * Kp, x + m * K, (size_t)(K * sizeof(uint16_t)));
+    if (M == 1) {
+        linear_row(xp, q, scale, b, y, N, K);
+        free(xp);
+        return;
+    }
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel
+    {
+        /* the tile's weight rows widened to bf16 once (zero past K), then used by every row of x */
+        uint16_t *wb = (uint16_t *)aligned_alloc(64, (size_t)(NR * Kp * sizeof(uint16_t)));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+            for (int r = 0; r < NR; r++) {
+                const int8_t *src = q + (n0 + (r < nr ? r : nr - 1)) * K;
+                for (int64_t k = 0; k < Kp; k += 32)
+                    _mm512_storeu_si512((void *)(wb + r * Kp + k), (__m512i)widen32(src + k, tail_mask(K, k)));
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+                __m512 acc[NR][MR];
+                for (int r = 0; r < NR; r++)
+                    for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < Kp; k += 32) {
+                    __m512bh wv[NR];
+                    for (int r = 0; r < NR; r++) wv[r] = load32(wb + r * Kp + k);
+                    for (int m = 0; m < MR; m++) {
+                        const __m512bh xv = load32(xp + (m0 + m) * Kp + k);
+                        for (int r = 0; r < NR; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+                    }
+                }
+                for (int m = 0; m < mr; m++) {
+                    float s[4];
+                    _mm_storeu_ps(s, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+                    for (int r = 0; r < nr; r++)
+                        y[(m0 + m) * N + n0 + r] = s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f);
+                }
+            }
+        }
+        free(wb);
+    }
+    free(xp);
+}
