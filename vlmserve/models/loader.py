@@ -22,6 +22,7 @@ class WeightTable:
     packed: dict[str, tuple[str, str]] = field(default_factory=dict)
     # (Fused parameter's full name, shard id) -> (start, size) along its first dimension; the full
     # name tells apart fused modules of one name in different towers (decoder vs vision MLP).
+    # Only for parameters without a ShardSpec (models/parallel.py), whose own offsets come first.
     shards: Callable[[str, str], tuple[int, int]] | None = None
     # Reshape a checkpoint tensor for our parameter (e.g. Conv3d kernel -> Linear weight).
     reshape: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)

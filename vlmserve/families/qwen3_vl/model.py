@@ -78,16 +78,9 @@ class Qwen3VLForConditionalGeneration(VLModel):
     # -- weights --------------------------------------------------------------------------------
 
     def weight_table(self) -> WeightTable:
+        """Checkpoint names to ours; where each part of a fused parameter goes (and the rank's
+        slice of it) is the parameter's ShardSpec (models/parallel.py), not this table's."""
         text = self.config.text
-        q_size = text.num_attention_heads * text.head_dim
-        kv_size = text.num_key_value_heads * text.head_dim
-        offsets = {
-            ("qkv_proj", "q"): (0, q_size),
-            ("qkv_proj", "k"): (q_size, kv_size),
-            ("qkv_proj", "v"): (q_size + kv_size, kv_size),
-            ("gate_up_proj", "0"): (0, text.intermediate_size),
-            ("gate_up_proj", "1"): (text.intermediate_size, text.intermediate_size),
-        }
         embed_dim = self.config.vision.embed_dim
         reshape: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "visual.patch_embed.proj.weight": lambda w: w.reshape(embed_dim, -1)
@@ -109,7 +102,6 @@ class Qwen3VLForConditionalGeneration(VLModel):
                 "gate_proj": ("gate_up_proj", "0"),
                 "up_proj": ("gate_up_proj", "1"),
             },
-            shards=lambda param, shard: offsets[(param.rsplit(".", 2)[-2], shard)],
             reshape=reshape,
             ignore=lambda name: (
                 name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
