@@ -146,3 +146,12 @@ def test_more_ranks_than_cuda_devices_is_refused_by_name(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match=r"needs 2 CUDA devices on this node, found 1"):
         check_tensor_parallel(config, torch.device("cuda"))
     check_tensor_parallel(config, torch.device("cpu"))  # CPU ranks share the host
+
+
+def test_a_worker_for_node_0_is_refused_in_one_line(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vlmserve.entrypoints.cli import main
+
+    assert main(["worker", str(tiny_dir), "-tp", "2", "--nnodes", "2", "--node-rank", "0", "--master-port", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "vlmserve worker: error: --node-rank 0 runs the engine (vlmserve serve or chat); a worker is node 1 or above\n"
+    )

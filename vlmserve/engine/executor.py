@@ -198,7 +198,7 @@ class MultiprocExecutor:
         self.processes = spawn_ranks(specs, rank0_end)
         rank0_end.close()  # rank 0 holds it now: its death closes the pipe
         # Stopped with the engine, or when this object goes (an LLM dropped without shutdown).
-        self._finalizer = weakref.finalize(self, stop_ranks, self.processes)
+        self._finalizer = weakref.finalize(self, _stop, self._conn, self.processes, True)
         self._state_layers: bool | None = None
         self._failure = ""  # why the ranks were stopped, once they were
         self._wait_reply("starting")
@@ -218,8 +218,8 @@ class MultiprocExecutor:
             if self._conn in ready:
                 try:
                     reply: Reply = reply_decoder.decode(self._conn.recv_bytes())
-                except (EOFError, OSError):
-                    reply = Reply(error="tensor-parallel rank 0 closed its pipe")
+                except (EOFError, OSError):  # rank 0 died without a word
+                    self._rank_died(0, what)
                 if reply.error is None:
                     return reply
                 # Rank 0 failed (and exits): a collective with a rank that died is the usual
@@ -236,13 +236,14 @@ class MultiprocExecutor:
 
     def _rank_died(self, rank: int, what: str) -> NoReturn:
         process = self.processes[rank]
-        process.join(1)  # the sentinel may fire before the exit code is collected
+        process.join(5)  # its sentinel (or pipe) may tell before its exit code is collected
         self._fail(f"tensor-parallel rank {rank} died (exit code {process.exitcode}) while {what}")
 
     def _fail(self, message: str) -> NoReturn:
         logger.error("%s; stopping the other ranks", message)
         self._failure = message
-        self.shutdown()
+        if self._finalizer.detach() is not None:
+            _stop(self._conn, self.processes, polite=False)
         raise ExecutorError(message)
 
     def plan(
@@ -290,18 +291,22 @@ class MultiprocExecutor:
         return list(zip(flat[::2], flat[1::2], strict=True))
 
     def shutdown(self) -> None:
-        """Stop every local rank (politely if they still listen, then for sure)."""
-        if not self._finalizer.alive:
-            return
-        if all(p.is_alive() for p in self.processes):
-            try:
-                self._conn.send_bytes(serial.encode(Shutdown()))
-                for p in self.processes:
-                    p.join(5)
-            except OSError:
-                pass
+        """Stop every local rank (and, through rank 0, every other node's)."""
         self._finalizer()
-        self._conn.close()
+
+
+def _stop(
+    conn: multiprocessing.connection.Connection, processes: list[multiprocessing.process.BaseProcess], polite: bool
+) -> None:
+    """`polite`: ask the ranks to leave (ranks on other nodes exit cleanly too) before killing
+    what is left of this node's."""
+    if polite and all(p.is_alive() for p in processes):
+        with contextlib.suppress(OSError):
+            conn.send_bytes(serial.encode(Shutdown()))
+            for process in processes:
+                process.join(5)
+    stop_ranks(processes)
+    conn.close()
 
 
 def make_executor(
