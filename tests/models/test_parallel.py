@@ -1,94 +1,106 @@
 """Tensor parallelism on the model side (models/parallel.py and the families using it).
 
-The end-to-end test runs the whole offline engine SPMD on a 2-rank gloo group on loopback (every
-rank the same LLM on the same prompts) for the four tiny checkpoints and compares rank 0 with a
-single-process LLM. At tensor_parallel_size 1 the layers are the plain ones: the transformers
-parity tests (tests/models/test_qwen2_vl.py, test_qwen2_5_vl.py, test_qwen3_vl.py) guard that."""
+The end-to-end test runs LLM(tensor_parallel_size=2) (two gloo rank processes on loopback) for the
+four tiny checkpoints and compares it with a single-process LLM. At tensor_parallel_size 1 the
+layers are the plain ones: the transformers parity tests (tests/models/test_qwen2_vl.py,
+test_qwen2_5_vl.py, test_qwen3_vl.py) guard that."""
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.models.tp_spmd import run_checkpoint
+from tests.conftest import random_image
+from vlmserve import LLM, SamplingParams
 from vlmserve.attention import TorchAttentionBackend
 from vlmserve.distributed import simulated_tensor_parallel
+from vlmserve.engine.executor import MultiprocExecutor
 from vlmserve.families.qwen2_vl.tiny import TinySpec, _config, random_weights
 from vlmserve.families.qwen3_5.tiny import TinySpec as Qwen35Spec
 from vlmserve.families.qwen3_5.tiny import config_json as qwen3_5_config
-from vlmserve.models.parallel import VocabParallelEmbedding, head_parts
+from vlmserve.models.parallel import VocabParallelEmbedding, head_parts, spec_of
 from vlmserve.registry import family_of, parse_model_config
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_VL_CHAT = REPO / "tests" / "fixtures" / "qwen_vl_chat" / "config.json"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 1024,
+    "kv_cache_memory_gib": 0.01,
+    "limit_mm_per_prompt": {"image": 2},
+}
+PARAMS = SamplingParams(temperature=0, max_tokens=4, logprobs=5)
 
 
-def test_two_ranks_spmd_match_one_process(
-    tiny_dir: Path, tiny25_dir: Path, tiny3_dir: Path, tiny3_moe_dir: Path, tmp_path: Path
-) -> None:
-    dirs = [str(d) for d in (tiny_dir, tiny25_dir, tiny3_dir, tiny3_moe_dir)]
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    logs = [(tmp_path / f"{r}.log").open("w") for r in range(2)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.models.tp_spmd", str(r), "2", str(port), str(tmp_path / f"{r}.json"), *dirs],
-            cwd=REPO,
-            env=env,
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
+def chat(user: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prompts() -> list[Any]:
+    wide, tall, small = random_image(150, 100, seed=1), random_image(70, 190, seed=2), random_image(40, 30, seed=3)
+    return [
+        {"prompt": chat(f"{PAD}What is in this image?"), "multi_modal_data": {"image": [wide]}},
+        {"prompt": chat(f"{PAD}{PAD}Which is darker?"), "multi_modal_data": {"image": [tall, small]}},
+        chat("Tell me a story about a lighthouse."),
     ]
+
+
+def results(outputs: list[Any]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens and, per prompt and step, the top-5 logprobs, best first."""
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[sorted(v.logprob for v in step.values()) for step in o.outputs[0].logprobs] for o in outputs]
+    return tokens, torch.tensor(logprobs)
+
+
+def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of all parameters, bytes of those every rank holds whole: no ShardSpec)."""
+    total = replicated = 0
+    seen: set[int] = set()  # a tied lm_head is the embedding's parameter: counted once
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel() * p.element_size()
+            total += n
+            replicated += n if spec_of(module, name) is None else 0
+    return total, replicated
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_dir", "tiny25_dir", "tiny3_dir", "tiny3_moe_dir"])
+def test_two_ranks_match_one_process(checkpoint: str, request: pytest.FixtureRequest) -> None:
+    """LLM(tensor_parallel_size=2): two gloo rank processes, each holding its shard, give the
+    single process's greedy tokens (which the parity tests hold to transformers') and logprobs,
+    three prompts batched; each rank holds half of every sharded weight, measured in the rank."""
+    model_dir = request.getfixturevalue(checkpoint)
+    one = LLM(model_dir, **ENGINE)
+    tokens, logprobs = results(one.generate(prompts(), PARAMS))
+    total, replicated = parameter_bytes(one.llm_engine.model)
+    del one
+    gc.collect()
+    assert len({tuple(t) for t in tokens}) == len(tokens)  # the prompts really differ
+    two = LLM(model_dir, tensor_parallel_size=2, **ENGINE)
     try:
-        # The single-process runs while the group works.
-        single = {d: run_checkpoint(d) for d in dirs}
-        deadline = time.monotonic() + 300
-        # A rank that fails leaves the other waiting in a collective: stop at the first failure.
-        while any(p.poll() is None for p in ranks) and all(p.poll() in (None, 0) for p in ranks):
-            assert time.monotonic() < deadline, "the tensor-parallel group did not finish in 300 s"
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                next(p for p in ranks if p.poll() is None).wait(timeout=1)
+        tp_tokens, tp_logprobs = results(two.generate(prompts(), PARAMS))
+        executor = two.llm_engine.core.executor
+        assert isinstance(executor, MultiprocExecutor)
+        ranks = executor.plan(None)
     finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    # A rank that failed by itself first (the others were killed here).
-    for r in sorted(range(2), key=lambda r: ranks[r].returncode < 0):
-        assert ranks[r].returncode == 0, f"rank {r} failed:\n{(tmp_path / f'{r}.log').read_text()[-3000:]}"
-    rank0, rank1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
-    for d in dirs:
-        one, tp0, tp1 = single[d], rank0[d], rank1[d]
-        assert tp0["tokens"] == one["tokens"], d
-        assert tp1["tokens"] == tp0["tokens"], d
-        assert len({tuple(t) for t in one["tokens"]}) == len(one["tokens"])  # the prompts really differ
-        # [prompt, step, top 5]
-        torch.testing.assert_close(torch.tensor(tp0["logprobs"]), torch.tensor(one["logprobs"]), atol=1e-4, rtol=0)
-        # Each rank holds half of every sharded weight and all of the rest (norms, patch
-        # embedding, Qwen3-VL's position grid, q/k norms, the MoE router, row-parallel biases).
-        total, replicated = one["param_bytes"], one["replicated_bytes"]
-        assert replicated < 0.01 * total
-        for tp in (tp0, tp1):
-            assert tp["replicated_bytes"] == replicated
-            assert tp["param_bytes"] == (total - replicated) // 2 + replicated, d
+        two.shutdown()
+    assert tp_tokens == tokens
+    torch.testing.assert_close(tp_logprobs, logprobs, atol=1e-4, rtol=0)
+    # Every rank holds all of the rest (norms, patch embedding, Qwen3-VL's position grid, q/k
+    # norms, the MoE router, row-parallel biases): under 1% here.
+    assert replicated < 0.01 * total
+    assert [r.weights_bytes for r in ranks] == [(total - replicated) // 2 + replicated] * 2
 
 
 def build_rank(raw: dict, rank: int, size: int, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
