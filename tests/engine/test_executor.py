@@ -155,3 +155,21 @@ def test_a_worker_for_node_0_is_refused_in_one_line(tiny_dir: Path, capsys: pyte
     assert capsys.readouterr().err == (
         "vlmserve worker: error: --node-rank 0 runs the engine (vlmserve serve or chat); a worker is node 1 or above\n"
     )
+
+
+def test_data_parallel_engines_take_disjoint_cuda_devices_for_their_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-dp 2 -tp 2 on CUDA: engine k's ranks on cuda:2k and cuda:2k+1, never a device twice."""
+    from vlmserve.errors import UserError
+    from vlmserve.serve.dp_client import engine_configs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    config = EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+    configs, _ = engine_configs(config, 2, 0)
+    assert [c.device for c in configs] == ["cuda:0", "cuda:2"]
+    check_tensor_parallel(configs[1], torch.device(configs[1].device))  # cuda:2 and cuda:3 exist
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(UserError, match=r"needs 4 CUDA devices"):
+        engine_configs(config, 2, 0)
+    with pytest.raises(ValueError, match=r"needs 2 CUDA devices on this node from cuda:2, found 3"):
+        check_tensor_parallel(configs[1], torch.device("cuda:2"))

@@ -153,10 +153,12 @@ def free_port() -> int:
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """ValueError naming what is wrong with the tensor-parallel options for this machine."""
     local = config.tensor_parallel_size // config.nnodes
-    if device.type == "cuda" and local > torch.cuda.device_count():
+    first = device.index or 0  # the node's ranks take cuda:first .. cuda:first + local - 1
+    if device.type == "cuda" and first + local > torch.cuda.device_count():
+        where = f" from cuda:{first}" if first else ""
         raise ValueError(
             f"tensor_parallel_size {config.tensor_parallel_size} over {config.nnodes} node(s) needs {local} CUDA "
-            f"devices on this node, found {torch.cuda.device_count()}"
+            f"devices on this node{where}, found {torch.cuda.device_count()}"
         )
 
 
@@ -180,6 +182,7 @@ class MultiprocExecutor:
                 local_world_size=local,
                 model_dir=str(model_dir),
                 device_type=device.type,
+                first_device=device.index or 0,
                 master_addr=config.master_addr,
                 master_port=port,
                 parent_pid=os.getpid(),

@@ -250,6 +250,7 @@ class RankSpec:
     local_world_size: int
     model_dir: str
     device_type: str  # "cpu" or "cuda": the group's backend, known before rank 0 says the rest
+    first_device: int  # CUDA: local rank i runs on cuda:(first_device + i) (data-parallel engines' ranks differ)
     master_addr: str
     master_port: int
     parent_pid: int  # the rank exits when this process is gone (0: no watch)
@@ -277,8 +278,8 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def rank_device(device_type: str, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+def rank_device(device_type: str, local_rank: int, first_device: int = 0) -> torch.device:
+    return torch.device("cuda", first_device + local_rank) if device_type == "cuda" else torch.device("cpu")
 
 
 def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> None:
@@ -294,7 +295,7 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | No
     if spec.threads:
         torch.set_num_threads(spec.threads)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec.master_addr, str(spec.master_port)
-    device = rank_device(spec.device_type, spec.local_rank)
+    device = rank_device(spec.device_type, spec.local_rank, spec.first_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(spec.rank, spec.world_size, device, "env://", timeout_s=COLLECTIVE_TIMEOUT_S)
@@ -375,6 +376,7 @@ def run_node(
             local_world_size=local,
             model_dir=model_dir,
             device_type=device_type,
+            first_device=0,
             master_addr=master_addr,
             master_port=master_port,
             parent_pid=os.getpid(),

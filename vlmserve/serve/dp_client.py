@@ -5,8 +5,9 @@ its supervisor: a dead engine is restarted alone, up to --max-engine-restarts, i
 flight fail as with one engine, and the others serve on); each request goes to the engine
 dp_router.py picks among those up.
 
-What each engine gets (engine_configs): on CUDA engine k runs on device cuda:k. On the CPU the N
-engines share the machine: the default memory budget (half the available RAM) is split N ways,
+What each engine gets (engine_configs): on CUDA engine k runs on device cuda:k (with tensor
+parallelism, its ranks on cuda:k*tp and the tp - 1 after it). On the CPU the N engines share the
+machine: the default memory budget (half the available RAM) is split N ways,
 and without --engine-threads each engine gets an equal share of torch's threads. An explicit
 --memory-budget-gib or --kv-cache-memory-gib is each engine's, as vLLM's memory settings are each
 device's.
@@ -45,12 +46,13 @@ def engine_configs(config: EngineConfig, size: int, threads: int) -> tuple[list[
     if device.type == "cuda":
         if device.index is not None:
             raise UserError(f"--device {config.device} names one device; --data-parallel-size {size} needs {size}")
-        if torch.cuda.device_count() < size:
+        tp = config.tensor_parallel_size  # engine k's ranks: cuda:k*tp .. cuda:(k+1)*tp - 1
+        if torch.cuda.device_count() < size * tp:
             raise UserError(
-                f"--data-parallel-size {size} needs {size} CUDA devices (engine k runs on cuda:k); "
-                f"{torch.cuda.device_count()} are visible"
+                f"--data-parallel-size {size} x --tensor-parallel-size {tp} needs {size * tp} CUDA devices "
+                f"(engine k runs on cuda:{'k' if tp == 1 else f'k*{tp}..'}); {torch.cuda.device_count()} are visible"
             )
-        return [dataclasses.replace(config, device=f"cuda:{k}") for k in range(size)], threads
+        return [dataclasses.replace(config, device=f"cuda:{k * tp}") for k in range(size)], threads
     if config.memory_budget_bytes is None and config.kv_cache_memory_bytes is None:
         config = dataclasses.replace(config, memory_budget_bytes=default_budget(device) // size)
     return [config] * size, threads or max(1, torch.get_num_threads() // size)
