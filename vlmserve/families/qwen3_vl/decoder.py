@@ -125,7 +125,7 @@ class Qwen3MoeExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # [expert, gate | up (rank's rows), hidden]
         self.down_proj = nn.Parameter(torch.empty(e, h, i))  # [expert, hidden, intermediate (rank's)]
         self.tp_shards = {
-            "gate_up_proj": ShardSpec(1, (part, part), ("0", "1")),
+            "gate_up_proj": ShardSpec(1, (part, part), ("gate", "up")),  # the shard ids of experts published one by one
             "down_proj": ShardSpec(2, (part,)),
         }
 
