@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -198,11 +199,13 @@ def test_measurement_overrides_the_table_only_when_clearly_faster(
         return dict(zip(("avx2", "avx512", "torch"), next(measured), strict=True))
 
     monkeypatch.setattr(dispatch, "_time_paths", fake_time)
-    op = build_dispatch([(6, 4)])
+    op = build_dispatch([(512, 1024), (6, 4)])  # 1 MiB of bf16 weights: measured; (6, 4): too small
     assert isinstance(op, CpuLinearDispatch)
-    assert op.choices == {(6, 4): ("avx2", "avx512", "torch", "avx512")}
-    assert [s[0] for s in seen] == [b.rows for b in BUCKETS] and all(s[1:] == (6, 4) for s in seen)
-    assert op.to_json()["measured_ms"]["6x4"]["1"] == {"avx2": 1.0, "avx512": 2.0, "torch": 3.0}
+    assert op.choices == {(512, 1024): ("avx2", "avx512", "torch", "avx512"), (6, 4): ("avx512",) * 2 + ("torch",) * 2}
+    assert [s[0] for s in seen] == [b.rows for b in BUCKETS]
+    assert [s[1:] for s in seen] == [(512, 1024)] * 3 + [(int(dispatch.MEASURE_FLOPS // (2 * 128 * 1024)), 1024)]
+    assert op.to_json()["measured_ms"] == {"512x1024": {b.name: ANY for b in BUCKETS}}
+    assert op.to_json()["measured_ms"]["512x1024"]["1"] == {"avx2": 1.0, "avx512": 2.0, "torch": 3.0}
 
 
 def test_measurement_slices_big_layers_and_stops_when_its_budget_is_spent(
@@ -217,13 +220,14 @@ def test_measurement_slices_big_layers_and_stops_when_its_budget_is_spent(
 
     monkeypatch.setattr(dispatch, "_time_paths", fake_time)
     monkeypatch.setattr(dispatch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    choices, times, left_over = dispatch.measure(dispatch.available_paths(), [(6, 4), (151936, 1536)], budget_s=4.5)
+    shapes = [(512, 1024), (151936, 1536)]
+    choices, times, left_over = dispatch.measure(dispatch.available_paths(), shapes, budget_s=4.5)
     # The largest shape first, on a slice within MEASURE_BYTES and MEASURE_FLOPS; then the budget
     # (4.5 "seconds": the deadline is read at 0, then the clock before each bucket) runs out.
     assert seen[0] == (1, dispatch.MEASURE_BYTES // (2 * 1536), 1536)
     assert seen[3] == (128, int(dispatch.MEASURE_FLOPS // (2 * 128 * 1536)), 1536)
     assert len(seen) == 4 and list(times) == [(151936, 1536)]
-    assert left_over == 4 and choices[(6, 4)] == ("avx512", "avx512", "torch", "torch")
+    assert left_over == 4 and choices[(512, 1024)] == ("avx512", "avx512", "torch", "torch")
 
 
 # -- what this machine has ------------------------------------------------------------------------------
