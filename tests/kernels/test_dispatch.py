@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from tests.kernels.guard import before_guard_page
 from vlmserve.kernels import cpu, dispatch, select_linear_op
-from vlmserve.kernels.dispatch import BUCKETS, CpuLinearDispatch, build_dispatch, table_choice
+from vlmserve.kernels.dispatch import BUCKETS, CpuLinearDispatch, build_dispatch, describe_linear_op, table_choice
 
 
 def _why_no_avx512() -> str | None:
@@ -172,6 +172,7 @@ def test_forcing_a_path_uses_it_for_every_shape_and_row_count(
         + "; ".join(f"{b.name} rows: {path} x2" for b in BUCKETS)
     ]
     assert op.to_json()["choices"]["6x4"] == {b.name: path for b in BUCKETS}
+    assert describe_linear_op(op) == op.describe() and describe_linear_op(F.linear) == "torch (F.linear)"
 
 
 def test_an_unknown_path_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
