@@ -175,6 +175,25 @@ def test_forcing_a_path_uses_it_for_every_shape_and_row_count(
     assert describe_linear_op(op) == op.describe() and describe_linear_op(F.linear) == "torch (F.linear)"
 
 
+@needs_avx512
+@pytest.mark.parametrize("path", ["avx2", "avx512", "torch"])
+def test_each_forced_path_runs_the_real_product(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
+    op = select_linear_op(torch.device("cpu"), torch.bfloat16, [(40, 72)])
+    assert isinstance(op, CpuLinearDispatch) and list(op.ops) == [path]
+    if path == "torch":
+        assert op.ops[path] is F.linear
+    else:  # a bound method of the kernel object
+        assert isinstance(
+            getattr(op.ops[path], "__self__", None), {"avx2": cpu.CpuKernels, "avx512": cpu.Avx512Kernels}[path]
+        )
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 72, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    for rows in (1, 7, 30, 100):
+        x = torch.randn(rows, 72, generator=g).bfloat16()
+        _check_rounded_once(op(x, w, b), F.linear(x.float(), w.float(), b.float()))
+
+
 def test_an_unknown_path_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLMSERVE_CPU_PATH", "avx9000")
     with pytest.raises(ValueError, match=r"VLMSERVE_CPU_PATH='avx9000'.*avx2, avx512, torch"):
