@@ -58,7 +58,7 @@ MEASURE_BYTES = 4 << 20
 MEASURE_FLOPS = 100e6
 MEASURE_RUNS = 3
 # A measured path replaces the table's choice only when it is this many times faster.
-MEASURE_MARGIN = 1.25
+MEASURE_MARGIN = 1.5
 # Smaller layers take the table's choice unmeasured: they are a small part of any step, and a
 # test suite building many tiny models should not pay for measurements that decide nothing.
 MEASURE_MIN_BYTES = 1 << 20
