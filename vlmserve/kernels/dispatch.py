@@ -101,8 +101,8 @@ def forced_path() -> str | None:
 
 def table_choice(paths: Iterable[str], bucket: Bucket) -> str:
     """The choice without a measurement (`python -m vlmserve.bench.kernels` on an AMD EPYC Zen 4,
-    docs/benchmarks.md): the AVX-512 kernel up to 8 rows (1.3-1.9x torch at one row, level at 8),
-    torch's oneDNN from 9 rows (up to ~18% ahead of it at 32, far ahead from 64); on AVX2-only
+    docs/benchmarks.md): the AVX-512 kernel up to 8 rows (1.0-1.9x torch at one row, level at 8),
+    torch's oneDNN from 9 rows (level to ~35% ahead of it at 32, far ahead from 64); on AVX2-only
     CPUs the AVX2 kernel at every size (torch's bf16 product there is a generic ~20 GFLOP/s
     kernel)."""
     paths = set(paths)
