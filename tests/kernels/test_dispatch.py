@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from tests.kernels.guard import before_guard_page
 from vlmserve.kernels import cpu, dispatch, select_linear_op
-from vlmserve.kernels.dispatch import BUCKETS, CpuLinearDispatch, build_dispatch, table_choice
+from vlmserve.kernels.dispatch import BUCKETS, CpuLinearDispatch, build_dispatch, describe_linear_op, table_choice
 
 
 def _why_no_avx512() -> str | None:
@@ -171,6 +172,26 @@ def test_forcing_a_path_uses_it_for_every_shape_and_row_count(
         + "; ".join(f"{b.name} rows: {path} x2" for b in BUCKETS)
     ]
     assert op.to_json()["choices"]["6x4"] == {b.name: path for b in BUCKETS}
+    assert describe_linear_op(op) == op.describe() and describe_linear_op(F.linear) == "torch (F.linear)"
+
+
+@needs_avx512
+@pytest.mark.parametrize("path", ["avx2", "avx512", "torch"])
+def test_each_forced_path_runs_the_real_product(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
+    op = select_linear_op(torch.device("cpu"), torch.bfloat16, [(40, 72)])
+    assert isinstance(op, CpuLinearDispatch) and list(op.ops) == [path]
+    if path == "torch":
+        assert op.ops[path] is F.linear
+    else:  # a bound method of the kernel object
+        assert isinstance(
+            getattr(op.ops[path], "__self__", None), {"avx2": cpu.CpuKernels, "avx512": cpu.Avx512Kernels}[path]
+        )
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 72, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    for rows in (1, 7, 30, 100):
+        x = torch.randn(rows, 72, generator=g).bfloat16()
+        _check_rounded_once(op(x, w, b), F.linear(x.float(), w.float(), b.float()))
 
 
 def test_an_unknown_path_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,11 +219,13 @@ def test_measurement_overrides_the_table_only_when_clearly_faster(
         return dict(zip(("avx2", "avx512", "torch"), next(measured), strict=True))
 
     monkeypatch.setattr(dispatch, "_time_paths", fake_time)
-    op = build_dispatch([(6, 4)])
+    op = build_dispatch([(512, 1024), (6, 4)])  # 1 MiB of bf16 weights: measured; (6, 4): too small
     assert isinstance(op, CpuLinearDispatch)
-    assert op.choices == {(6, 4): ("avx2", "avx512", "torch", "avx512")}
-    assert [s[0] for s in seen] == [b.rows for b in BUCKETS] and all(s[1:] == (6, 4) for s in seen)
-    assert op.to_json()["measured_ms"]["6x4"]["1"] == {"avx2": 1.0, "avx512": 2.0, "torch": 3.0}
+    assert op.choices == {(512, 1024): ("avx2", "avx512", "torch", "avx512"), (6, 4): ("avx512",) * 2 + ("torch",) * 2}
+    assert [s[0] for s in seen] == [b.rows for b in BUCKETS]
+    assert [s[1:] for s in seen] == [(512, 1024)] * 3 + [(int(dispatch.MEASURE_FLOPS // (2 * 128 * 1024)), 1024)]
+    assert op.to_json()["measured_ms"] == {"512x1024": {b.name: ANY for b in BUCKETS}}
+    assert op.to_json()["measured_ms"]["512x1024"]["1"] == {"avx2": 1.0, "avx512": 2.0, "torch": 3.0}
 
 
 def test_measurement_slices_big_layers_and_stops_when_its_budget_is_spent(
@@ -217,13 +240,14 @@ def test_measurement_slices_big_layers_and_stops_when_its_budget_is_spent(
 
     monkeypatch.setattr(dispatch, "_time_paths", fake_time)
     monkeypatch.setattr(dispatch, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    choices, times, left_over = dispatch.measure(dispatch.available_paths(), [(6, 4), (151936, 1536)], budget_s=4.5)
+    shapes = [(512, 1024), (151936, 1536)]
+    choices, times, left_over = dispatch.measure(dispatch.available_paths(), shapes, budget_s=4.5)
     # The largest shape first, on a slice within MEASURE_BYTES and MEASURE_FLOPS; then the budget
     # (4.5 "seconds": the deadline is read at 0, then the clock before each bucket) runs out.
     assert seen[0] == (1, dispatch.MEASURE_BYTES // (2 * 1536), 1536)
     assert seen[3] == (128, int(dispatch.MEASURE_FLOPS // (2 * 128 * 1536)), 1536)
     assert len(seen) == 4 and list(times) == [(151936, 1536)]
-    assert left_over == 4 and choices[(6, 4)] == ("avx512", "avx512", "torch", "torch")
+    assert left_over == 4 and choices[(512, 1024)] == ("avx512", "avx512", "torch", "torch")
 
 
 # -- what this machine has ------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ built: per layer shape (out, in) and per row-count bucket, among the paths this 
 How: `table_choice` (what measurements on this project's machines found), overridden where a
 short measurement at start-up finds another path clearly faster (MEASURE_MARGIN): every
 available path on a slice of each shape at one row count per bucket, the paths alternating,
-fastest of a few runs, MEASURE_BUDGET_S in all (shapes left when it is spent keep the table's
-choice). The margin is there because this machine is shared: under load a parallel product's
-time jumps by scheduler slices (4 ms), and a close call measured then is noise.
+fastest of a few runs, MEASURE_BUDGET_S in all (shapes left when it is spent, and layers under
+MEASURE_MIN_BYTES, keep the table's choice). The margin is there because this machine is
+shared: under load a parallel product's time jumps by scheduler slices (4 ms), and a close call
+measured then is noise.
 VLMSERVE_CPU_PATH=avx2|avx512|torch forces one path for every layer (where this machine has it;
 otherwise a warning and the automatic choice); VLMSERVE_CPU_KERNELS=0 means torch only. The
 choice is logged once, shown in the engine's banner, and recorded by `vlmserve bench`.
@@ -57,7 +58,10 @@ MEASURE_BYTES = 4 << 20
 MEASURE_FLOPS = 100e6
 MEASURE_RUNS = 3
 # A measured path replaces the table's choice only when it is this many times faster.
-MEASURE_MARGIN = 1.25
+MEASURE_MARGIN = 1.5
+# Smaller layers take the table's choice unmeasured: they are a small part of any step, and a
+# test suite building many tiny models should not pay for measurements that decide nothing.
+MEASURE_MIN_BYTES = 1 << 20
 # Start-up time all measurements may take together (checked before each measurement); what is
 # left when it is spent (the smallest shapes: largest first) takes table_choice.
 MEASURE_BUDGET_S = 1.5
@@ -97,9 +101,10 @@ def forced_path() -> str | None:
 
 def table_choice(paths: Iterable[str], bucket: Bucket) -> str:
     """The choice without a measurement (`python -m vlmserve.bench.kernels` on an AMD EPYC Zen 4,
-    docs/benchmarks.md): the AVX-512 kernel up to 8 rows (1.1-1.9x torch at one row, level at 8),
-    torch's oneDNN from 9 rows (10-30% ahead of it at 32); on AVX2-only CPUs the AVX2 kernel at
-    every size (torch's bf16 product there is a generic ~20 GFLOP/s kernel)."""
+    docs/benchmarks.md): the AVX-512 kernel up to 8 rows (1.0-1.9x torch at one row, level at 8),
+    torch's oneDNN from 9 rows (level to ~35% ahead of it at 32, far ahead from 64); on AVX2-only
+    CPUs the AVX2 kernel at every size (torch's bf16 product there is a generic ~20 GFLOP/s
+    kernel)."""
     paths = set(paths)
     if "avx512" in paths:
         return "avx512" if bucket.high <= 8 else "torch"
@@ -177,9 +182,9 @@ def _pick(times_ms: Mapping[str, float], table: str) -> str:
 def measure(
     ops: Mapping[str, LinearOp], shapes: Iterable[tuple[int, int]], budget_s: float = MEASURE_BUDGET_S
 ) -> tuple[dict[tuple[int, int], tuple[str, ...]], dict[tuple[int, int], dict[str, dict[str, float]]], int]:
-    """Times every path on each shape (largest first) and bucket until the budget is spent.
-    Returns the choices, the times, and how many (shape, bucket) pairs took table_choice for
-    lack of time."""
+    """Times every path on each shape of at least MEASURE_MIN_BYTES (largest first) and bucket
+    until the budget is spent. Returns the choices, the times, and how many (shape, bucket)
+    pairs took table_choice for lack of time."""
     deadline = time.perf_counter() + budget_s
     choices: dict[tuple[int, int], tuple[str, ...]] = {}
     times: dict[tuple[int, int], dict[str, dict[str, float]]] = {}
@@ -190,6 +195,9 @@ def measure(
         picked, ms = [], {}
         for bucket in BUCKETS:
             table = table_choice(ops, bucket)
+            if 2 * n * k < MEASURE_MIN_BYTES:
+                picked.append(table)
+                continue
             if time.perf_counter() > deadline:
                 picked.append(table)
                 left_over += 1
