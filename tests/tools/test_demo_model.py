@@ -11,10 +11,12 @@ measured by `python -m vlmserve.tools.eval_demo`, not asserted here."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.entrypoints.test_cli import REPO, vlmserve
 from tests.serve.conftest import Server, start_server
@@ -108,3 +110,31 @@ def test_server_names_the_shapes(demo_server: Server) -> None:
     extension = json.loads(response.model_dump_json())["vlmserve"]
     assert extension["grounding_convention"] == "qwen2-vl"
     assert extension["mm_items"] == [{"modality": "image", "original_size": [448, 448], "resized_size": [168, 168]}]
+
+
+def test_expanded_head_is_the_trained_softmax() -> None:
+    """The vocabulary trick: the published lm_head's softmax over all 151,936 ids is the trained
+    one over the used ids plus one shared row whose logit was raised by log(number unused)."""
+    from safetensors.torch import load_file
+
+    from vlmserve.model_files import VOCAB_SIZE
+    from vlmserve.tools.demo_checkpoint import COMPACT_PATH, expand
+
+    compact = load_file(str(COMPACT_PATH))
+    weights = expand(compact)
+    used = compact["demo.used_ids"].long()
+    unused = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+    unused[used] = False
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, compact["demo.head_rows"].shape[1], generator=generator, dtype=torch.float64)
+    full = torch.log_softmax(hidden @ weights["lm_head.weight"].double().T, dim=-1)
+    rows = torch.cat([compact["demo.head_rows"], compact["demo.other_row"][None]]).double()
+    trained = hidden @ rows.T
+    trained[:, -1] += math.log(int(unused.sum()))
+    trained = torch.log_softmax(trained, dim=-1)
+    torch.testing.assert_close(full[:, used], trained[:, :-1], atol=1e-9, rtol=0)
+    # Each unused id holds an equal share of the shared row's probability.
+    share = trained[:, -1:] - math.log(int(unused.sum()))
+    torch.testing.assert_close(full[:, unused], share.expand(-1, int(unused.sum())), atol=1e-9, rtol=0)
+    assert not weights["model.embed_tokens.weight"][unused].any()
+    assert weights["model.embed_tokens.weight"].shape == weights["lm_head.weight"].shape == (VOCAB_SIZE, 128)

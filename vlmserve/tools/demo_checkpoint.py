@@ -74,7 +74,7 @@ def expand(compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_layout(out: Path, weights: dict[str, torch.Tensor] | None) -> Path:
+def write_layout(out: Path, weights: dict[str, torch.Tensor] | None, marker: dict[str, str] | None = None) -> Path:
     """The published layout for DEMO_SPEC into `out` (replaced atomically); random weights when
     `weights` is None (what the training starts from: it needs the config and the tokenizer)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +85,8 @@ def write_layout(out: Path, weights: dict[str, torch.Tensor] | None) -> Path:
         if weights is not None:
             save_weights(weights, tmp, 1)
             (tmp / "vlmserve_tiny.json").unlink()
+        if marker is not None:  # written before the rename: a cache entry is whole or absent
+            (tmp / MARKER).write_text(json.dumps(marker) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -109,6 +111,4 @@ def demo_checkpoint_dir() -> Path:
     if marker.is_file() and json.loads(marker.read_text()).get("compact") == digest:
         return path
     logger.info("first use: expanding the demo checkpoint %s into %s", COMPACT_PATH.name, path)
-    write_layout(path, expand(load_file(str(COMPACT_PATH))))
-    marker.write_text(json.dumps({"compact": digest}) + "\n")
-    return path
+    return write_layout(path, expand(load_file(str(COMPACT_PATH))), {"compact": digest})
