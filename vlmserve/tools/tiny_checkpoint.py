@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vlmserve.families.qwen2_vl.tiny import BENCH_SPEC, TinySpec, write_tiny_qwen2_vl
 
+TINY_CHECKPOINT_NAME = "tiny-qwen2-vl-v1"
 BENCH_CHECKPOINT_NAME = "bench-qwen2-vl-v1"
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,12 @@ def default_checkpoint_dir() -> Path:
     from vlmserve.tools.demo_checkpoint import demo_checkpoint_dir
 
     return demo_checkpoint_dir()
+
+
+def tiny_checkpoint_dir() -> Path:
+    """A tiny random Qwen2-VL (TinySpec()), written on first use: the default before the demo
+    checkpoint, kept for what measures the machinery rather than answers (bench.api_memory)."""
+    return _cached_checkpoint(TINY_CHECKPOINT_NAME, TinySpec())
 
 
 def bench_checkpoint_dir() -> Path:
