@@ -14,7 +14,7 @@ def _commands() -> list[str]:
 
 def test_ci_runs_readme_test_command() -> None:
     demo, test = _commands()
-    assert "vlmserve chat --image examples/sunset.png" in demo
+    assert "vlmserve chat --image examples/shapes.png" in demo
     assert "pytest" in test
     assert test in (REPO / ".ci" / "run").read_text().splitlines()
-    assert (REPO / "examples" / "sunset.png").is_file()
+    assert (REPO / "examples" / "shapes.png").is_file()

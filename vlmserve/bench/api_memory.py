@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-arg", action="append", default=[], help="one more argument for vlmserve serve")
     args = p.parse_args(argv)
     if args.model is None:
-        from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
+        from vlmserve.tools.tiny_checkpoint import tiny_checkpoint_dir
 
-        args.model = str(default_checkpoint_dir())
+        args.model = str(tiny_checkpoint_dir())
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"

@@ -170,7 +170,8 @@ def run(args: argparse.Namespace, model: str | None, question: str | None) -> in
 
     if model is None:
         print(
-            "(no MODEL given: using the embedded tiny random-weight checkpoint; its answers are random text)",
+            "(no MODEL given: using the embedded demo checkpoint, a small Qwen2-VL trained on synthetic "
+            "shapes; it knows nothing else: see docs/demo-model.md)",
             file=sys.stderr,
         )
     llm = LLM(

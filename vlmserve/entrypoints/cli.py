@@ -95,7 +95,7 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
         "words",
         nargs="*",
         metavar="[MODEL] [QUESTION]",
-        help="checkpoint directory or hub id (default: the embedded tiny random-weight checkpoint), then the "
+        help="checkpoint directory or hub id (default: the embedded demo checkpoint), then the "
         "question; without a question, a conversation (a single word that names a directory or an org/name "
         "hub id is the MODEL)",
     )

@@ -38,8 +38,9 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """A model and its engine, in this process.
 
-    `model` is a checkpoint directory or a Hugging Face hub id; None runs the embedded tiny
-    random-weight Qwen2-VL (written on first use), whose answers are random text.
+    `model` is a checkpoint directory or a Hugging Face hub id; None runs the embedded demo
+    checkpoint (a small Qwen2-VL trained on synthetic shapes, expanded on first use: see
+    docs/demo-model.md).
     """
 
     def __init__(

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="checkpoint directory or Hugging Face hub id (default: the embedded tiny random-weight checkpoint)",
+        help="checkpoint directory or Hugging Face hub id (default: the embedded demo checkpoint)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
