@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
-# (input, weight, bias) -> input @ weight.T + bias: what a Linear layer computes with.
-LinearOp = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+from vlmserve.kernels.op import LinearOp
+
+__all__ = ["LinearOp", "select_linear_op"]
 
 
 def select_linear_op(device: torch.device, dtype: torch.dtype, shapes: Iterable[tuple[int, int]] = ()) -> LinearOp:

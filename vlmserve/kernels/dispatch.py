@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmserve.kernels import LinearOp
+from vlmserve.kernels.op import LinearOp
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vlmserve.kernels import LinearOp
+from vlmserve.kernels.op import LinearOp
 
 logger = logging.getLogger(__name__)
 
