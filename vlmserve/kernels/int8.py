@@ -33,6 +33,7 @@ import logging
 import os
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,19 @@ KERNEL_MAX_ROWS = 64
 DEQUANT_ROWS = 4096
 
 
+def _int8_product(
+    fn: Any, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Call one of the C int8 products (same signature in both kernels): [M, K] x [N, K] -> [M, N] fp32."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), bias_ptr, y.data_ptr(), m, n, k)
+    return y
+
+
 class Int8Avx512Kernel:
     """cpu_int8_avx512.c: the decode product for bf16 activations."""
 
@@ -65,23 +79,11 @@ class Int8Avx512Kernel:
         self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias [N] fp32 -> [M, N] fp32."""
-        m, k = x.shape
+        k = x.shape[1]
         n = qweight.shape[0]
         assert x.dtype == torch.bfloat16 and qweight.shape == (n, k) and qweight.dtype == torch.int8
         assert qweight.is_contiguous() and scales.dtype == torch.float32 and scales.shape == (n,)
-        x = x.contiguous()
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._lib.vlm_linear_int8_avx512(
-            x.data_ptr(),
-            qweight.data_ptr(),
-            scales.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            m,
-            n,
-            k,
-        )
-        return y
+        return _int8_product(self._lib.vlm_linear_int8_avx512, x, qweight, scales, bias)
 
 
 class Int8Kernel:
@@ -106,23 +108,11 @@ class Int8Kernel:
         self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] fp32, qweight [N, K] int8, scales [N] fp32, bias [N] fp32 -> [M, N] fp32."""
-        m, k = x.shape
+        k = x.shape[1]
         n = qweight.shape[0]
         assert qweight.shape == (n, k) and qweight.dtype == torch.int8 and qweight.is_contiguous()
         assert scales.dtype == torch.float32 and scales.shape == (n,)
-        x = x.contiguous()
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._lib.vlm_linear_int8(
-            x.data_ptr(),
-            qweight.data_ptr(),
-            scales.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            m,
-            n,
-            k,
-        )
-        return y
+        return _int8_product(self._lib.vlm_linear_int8, x, qweight, scales, bias)
 
     def describe(self) -> str:
         if not self.decode:
