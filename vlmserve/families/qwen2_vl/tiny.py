@@ -140,6 +140,7 @@ class TinySpec:
     vision_mlp_ratio: int = 4
     tie_word_embeddings: bool = True
     dtype: str = "bfloat16"
+    rope_theta: float = 1000000.0  # the decoder's M-RoPE base (Qwen2-VL's)
     # "qwen2_vl" or "qwen2_5_vl"; the fields below shape Qwen2.5-VL's vision tower only.
     arch: str = "qwen2_vl"
     vision_intermediate_size: int = 64  # the SwiGLU MLP's width
@@ -254,14 +255,14 @@ def _config(spec: TinySpec, nested: bool) -> dict[str, object]:
         "vision_config": vision,
     }
     if nested:  # transformers 5's layout
-        rope = {"rope_type": "default", "mrope_section": list(spec.mrope_section), "rope_theta": 1000000.0}
+        rope = {"rope_type": "default", "mrope_section": list(spec.mrope_section), "rope_theta": spec.rope_theta}
         return {**common, "dtype": spec.dtype, "text_config": {**text, "rope_parameters": rope}}
     # transformers 4.x's layout, as published on the hub
     return {
         **common,
         **text,
         "torch_dtype": spec.dtype,
-        "rope_theta": 1000000.0,
+        "rope_theta": spec.rope_theta,
         "rope_scaling": {"type": "mrope", "mrope_section": list(spec.mrope_section)},
     }
 
@@ -407,12 +408,16 @@ def write_tiny_qwen2_vl(
     nested_config: bool = False,
     num_shards: int = 1,
     chat_template_in: str | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    preprocessor: dict[str, int] | None = None,
 ) -> Path:
     """Write a tiny Qwen2-VL checkpoint, or Qwen2.5-VL with spec.arch "qwen2_5_vl" (e.g.
     QWEN2_5_VL_SPEC), into `out_dir` (created; written atomically). The chat template goes where
     `chat_template_in` says; by default where the published checkpoints have it: Qwen2-VL's in
     tokenizer_config.json, Qwen2.5-VL's in chat_template.json with the Qwen2.5 template (tools)
-    in tokenizer_config.json."""
+    in tokenizer_config.json. `weights` (published names) replace the random ones, and then the
+    folder carries no vlmserve_tiny.json; `preprocessor` overrides preprocessor_config.json fields
+    (min_pixels, max_pixels)."""
     as_published = chat_template_in is None
     if chat_template_in is None:
         chat_template_in = "chat_template.json" if spec.arch == "qwen2_5_vl" else "tokenizer_config.json"
@@ -444,6 +449,7 @@ def write_tiny_qwen2_vl(
                 "image_std": [0.26862954, 0.26130258, 0.27577711],
                 "image_processor_type": "Qwen2VLImageProcessor",
                 "processor_class": "Qwen2_5_VLProcessor" if spec.arch == "qwen2_5_vl" else "Qwen2VLProcessor",
+                **(preprocessor or {}),
             },
             "tokenizer_config.json": _tokenizer_config(
                 QWEN2_VL_CHAT_TEMPLATE
@@ -461,8 +467,11 @@ def write_tiny_qwen2_vl(
             (tmp / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
         added = [(FIRST_ADDED_ID + k, tok, True) for k, tok in enumerate(QWEN2_VL_ADDED_TOKENS)]
         write_tokenizer_files(tmp, added)
-        save_weights(random_weights(spec, seed), tmp, num_shards)
-        (tmp / "vlmserve_tiny.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed}) + "\n")
+        if weights is None:
+            save_weights(random_weights(spec, seed), tmp, num_shards)
+            (tmp / "vlmserve_tiny.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed}) + "\n")
+        else:
+            save_weights(weights, tmp, num_shards)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
