@@ -136,6 +136,33 @@ def sampling_for(case: Case) -> Any:
     return SamplingParams(temperature=0, max_tokens=96 if grounding else 32, skip_special_tokens=not grounding)
 
 
+def answer_logprob(llm: Any, cases: Sequence[Case]) -> float:
+    """The mean log-probability per token the model gives the true answers (teacher-forced: each
+    answer is the open assistant message of its conversation, read back with prompt_logprobs).
+    Far more sensitive than exact answers: anything that blurs the picture (a wrong normalisation,
+    patch order or rotary section) lowers it even where the greedy answer survives."""
+    from vlmserve import SamplingParams
+
+    conversations = [[*messages(c), {"role": "assistant", "content": c.qa.answer}] for c in cases]
+    outputs = llm.chat(
+        conversations,
+        SamplingParams(max_tokens=1, prompt_logprobs=0, skip_special_tokens=False),
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    encode = llm.get_tokenizer().encode
+    total, tokens = 0.0, 0
+    for case, out in zip(cases, outputs, strict=True):
+        answer = encode(case.qa.answer)
+        ids, logprobs = out.prompt_token_ids, out.prompt_logprobs
+        assert ids[-len(answer) :] == answer and logprobs is not None, "the prompt must end with the answer"
+        for token, entry in zip(answer, logprobs[-len(answer) :], strict=True):
+            assert entry is not None
+            total += entry[token].logprob
+            tokens += 1
+    return total / tokens
+
+
 def evaluate(llm: Any, cases: Sequence[Case]) -> Scores:
     outputs = llm.chat([messages(c) for c in cases], [sampling_for(c) for c in cases])
     return score(cases, [o.outputs[0].text for o in outputs])
@@ -156,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         cases = held_out_cases(args.scenes, Path(tmp), args.seed)
         outputs = llm.chat([messages(c) for c in cases], [sampling_for(c) for c in cases])
         answers = [o.outputs[0].text for o in outputs]
+        logprob = answer_logprob(llm, cases)
     for case, text in list(zip(cases, answers, strict=True))[: args.show]:
         print(f"{case.qa.question!r}\n  want {case.qa.answer!r}\n  got  {text!r}")
     print(f"{args.scenes} held-out scenes (seeds {args.seed}..{args.seed + args.scenes - 1}), {len(cases)} questions")
     print(score(cases, answers).table())
+    print(f"true answers' mean log-probability per token (teacher-forced): {logprob:.4f}")
     return 0
 
 

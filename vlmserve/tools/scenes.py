@@ -3,8 +3,9 @@ each with its ground truth, and the fixed question/answer formats the demo model
 
 A scene holds 1 to 3 shapes (circle, square, triangle; red, green, blue, yellow; small or
 large), no two of the same colour and kind, not overlapping, so "the red circle" always names
-one shape. Everything is drawn from a seeded `random.Random`, so a seed gives the same scene,
-picture and questions on every machine.
+one shape; half the scenes also hold one dark text glyph (a letter or digit) beside them.
+Everything is drawn from a seeded `random.Random`, so a seed gives the same scene, picture and
+questions on every machine (glyphs in Pillow's own font, so one Pillow version draws the same).
 
 The question formats (the only ones the demo model knows; see docs/demo-model.md):
 
@@ -18,6 +19,7 @@ The question formats (the only ones the demo model knows; see docs/demo-model.md
   ground    "Find the red circle." -> Qwen2-VL's own box format on a 0..1000 scale of the picture,
             `<|object_ref_start|>the red circle<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`
   ground_all "Find every shape." -> one such box per shape, left to right, joined by ", "
+  text      "What does the text say?" -> 'The text says "K".' | "There is no text."
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -36,7 +38,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 KINDS = ("circle", "square", "triangle")
 SIZES = {"small": 0.18, "large": 0.30}  # side of the shape's box, as a share of the picture's side
 NUMBERS = ("zero", "one", "two", "three")
-QUESTION_KINDS = ("describe", "count", "colour", "shape", "position", "ground", "ground_all")
+QUESTION_KINDS = ("describe", "count", "colour", "shape", "position", "ground", "ground_all", "text")
+GLYPHS = ("A", "E", "H", "K", "R", "X", "2", "5", "7")  # one token each in Qwen's vocabulary
+GLYPH_SIZE = (0.16, 0.22)  # the glyph's box side, as a share of the picture's side
+GLYPH_INK = (25, 25, 25)
+TEXT_QUESTION = "What does the text say?"
 DESCRIBE_QUESTIONS = ("What is in this picture?", "Describe the picture.")
 
 REF_START, REF_END = "<|object_ref_start|>", "<|object_ref_end|>"
@@ -61,11 +67,18 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class Glyph:
+    char: str  # one of GLYPHS
+    box: tuple[float, float, float, float]  # the square it is drawn in, as shares of the picture
+
+
+@dataclass(frozen=True)
 class Scene:
     shapes: tuple[Shape, ...]
     background: tuple[int, int, int]
     noise: float  # standard deviation of the background's pixel noise (0: plain)
     seed: int  # draws the noise
+    glyph: Glyph | None = None  # text beside the shapes (not a shape: never counted or described)
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,20 @@ def random_scene(rng: random.Random) -> Scene:
     shade = rng.randint(215, 255)
     tint = tuple(min(255, shade + rng.randint(-12, 12)) for _ in range(3))
     noise = rng.choice((0.0, 0.0, 6.0, 12.0))
-    return Scene(tuple(shapes), tint, noise, rng.randrange(1 << 30))  # type: ignore[arg-type]
+    seed = rng.randrange(1 << 30)
+    glyph = _place_glyph(rng, shapes) if rng.random() < 0.5 else None
+    return Scene(tuple(shapes), tint, noise, seed, glyph)  # type: ignore[arg-type]
+
+
+def _place_glyph(rng: random.Random, shapes: list[Shape]) -> Glyph | None:
+    side = rng.uniform(*GLYPH_SIZE)
+    char = rng.choice(GLYPHS)
+    for _ in range(100):
+        x1, y1 = rng.uniform(0.03, 0.97 - side), rng.uniform(0.03, 0.97 - side)
+        box = (x1, y1, x1 + side, y1 + side)
+        if all(_apart(box, s.box, 0.04) for s in shapes):
+            return Glyph(char, box)
+    return None  # no room beside the shapes
 
 
 def _apart(a: tuple[float, ...], b: tuple[float, ...], gap: float) -> bool:
@@ -123,6 +149,20 @@ def draw(scene: Scene, size: int = 448) -> Image.Image:
             canvas.rectangle((x1, y1, x2, y2), fill=fill)
         else:
             canvas.polygon([((x1 + x2) / 2, y1), (x2, y2), (x1, y2)], fill=fill)
+    if scene.glyph is not None:
+        x1, y1, x2, y2 = (v * size for v in scene.glyph.box)
+        # Pillow's own scalable font (no font file needed), the glyph's cap height about its box's.
+        font_size = max(8, round((y2 - y1) * 1.3))
+        font = ImageFont.load_default(size=font_size)
+        canvas.text(
+            ((x1 + x2) / 2, (y1 + y2) / 2),
+            scene.glyph.char,
+            fill=GLYPH_INK,
+            font=font,
+            anchor="mm",
+            stroke_width=round(font_size / 24),
+            stroke_fill=GLYPH_INK,
+        )
     return image
 
 
@@ -197,6 +237,8 @@ def questions(scene: Scene, rng: random.Random) -> list[QA]:
     out.append(QA("position", f"Where is the {s.name}?", f"The {s.name} is {region(s)}."))
     s = rng.choice(shapes)
     out.append(QA("ground", f"Find the {s.name}.", grounding(s)))
+    glyph = scene.glyph
+    out.append(QA("text", TEXT_QUESTION, f'The text says "{glyph.char}".' if glyph else "There is no text."))
     return out
 
 
@@ -209,7 +251,7 @@ def iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
 
 
 # examples/shapes.png: a scene the training never drew (training draws seeds 0.. steps).
-EXAMPLE_SEED = 2_000_000_005
+EXAMPLE_SEED = 2_000_000_004
 EXAMPLE_SIZE = 448
 
 

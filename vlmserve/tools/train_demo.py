@@ -43,7 +43,16 @@ from vlmserve.tools.demo_checkpoint import (
 )
 
 # How often each question kind is picked for a turn (ground and ground_all carry the hard part).
-KIND_WEIGHTS = {"describe": 3, "count": 1, "colour": 1, "shape": 1, "position": 2, "ground": 3, "ground_all": 2}
+KIND_WEIGHTS = {
+    "describe": 3,
+    "count": 1,
+    "colour": 1,
+    "shape": 1,
+    "position": 2,
+    "ground": 3,
+    "ground_all": 2,
+    "text": 2,
+}
 IMAGE_PAD_ID = 151655
 TURNS = 3  # questions per picture: the vision tower runs once for three answers
 PICTURE_SIZES = (168, 336, 448)  # drawn at these sizes; the processor resizes each to 168 x 168
