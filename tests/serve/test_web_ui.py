@@ -5,8 +5,8 @@ API answers to the same request: the text (greedy, so one answer), each picture'
 and grounding boxes drawn on the picture in its original pixels.
 
 Needs Debian's `chromium` and `chromium-driver` (.ci/run installs them where it can); without
-them the browser test is skipped, saying why. Set VLMSERVE_WEB_SCREENSHOT=docs/web-ui.png to
-keep the screenshot the README shows."""
+them the browser test is skipped, saying why. (README's screenshot, docs/web-ui.png, is the demo
+checkpoint's: tests/tools/test_demo_model.py writes it when VLMSERVE_WEB_SCREENSHOT names it.)"""
 
 from __future__ import annotations
 
@@ -185,8 +185,7 @@ def test_page_shows_the_api_answer_image_tokens_and_boxes(server: Server, tmp_pa
         # Python's on every syntax.
         _same_boxes_as_python(browser, (width, height), tuple(item["resized_size"]))
 
-        shot = Path(os.environ.get("VLMSERVE_WEB_SCREENSHOT") or tmp_path / "web-ui.png")
-        assert browser.save_screenshot(str(shot))
+        assert browser.save_screenshot(str(tmp_path / "web-ui.png"))
 
         # The other two ways in: a picture dropped on the page, one pasted; each waits to be sent.
         browser.execute_script(
