@@ -77,6 +77,23 @@ def _set(browser: Any, element_id: str, value: str) -> None:
     element.send_keys(value)
 
 
+def _open_page(browser: Any, wait: Any, url: str, api_key: str, model: str) -> None:
+    """Load the page, give it the key, and wait until it has asked the server for its model."""
+    browser.get(url + "/")
+    _set(browser, "api-key", api_key)
+    browser.find_element("id", "prompt").click()  # the key field's change event: the page asks for the model
+    wait.until(lambda b: b.find_element("id", "model").text == model)
+
+
+def _attach(browser: Any, wait: Any, picture: Path) -> None:
+    """Attach a picture through the (hidden) file input; wait until it is shown pending."""
+    file_input = browser.find_element("id", "file")
+    browser.execute_script("arguments[0].hidden = false", file_input)
+    file_input.send_keys(str(picture))
+    browser.execute_script("arguments[0].hidden = true", file_input)
+    wait.until(lambda b: b.find_elements("css selector", "#attachments .pending img"))
+
+
 def _ask(browser: Any, wait: Any, question: str) -> Any:
     """Send `question`; the finished answer's message element."""
     before = len(browser.find_elements("css selector", ".message.assistant"))
@@ -129,17 +146,10 @@ def test_page_shows_the_api_answer_image_tokens_and_boxes(server: Server, tmp_pa
     browser = _browser()
     try:
         wait = WebDriverWait(browser, 60)
-        browser.get(server.url + "/")
-        _set(browser, "api-key", API_KEY)
-        browser.find_element("id", "prompt").click()  # the key field's change event: the page asks for the model
-        wait.until(lambda b: b.find_element("id", "model").text == "tiny")
+        _open_page(browser, wait, server.url, API_KEY, "tiny")
         _set(browser, "temperature", "0")
         _set(browser, "max_tokens", "8")
-        file_input = browser.find_element("id", "file")
-        browser.execute_script("arguments[0].hidden = false", file_input)
-        file_input.send_keys(str(PICTURE))
-        browser.execute_script("arguments[0].hidden = true", file_input)
-        wait.until(lambda b: b.find_elements("css selector", "#attachments .pending img"))
+        _attach(browser, wait, PICTURE)
 
         answer = _ask(browser, wait, QUESTION)
         shown = browser.execute_script("return arguments[0].querySelector('.text').textContent", answer)

@@ -212,21 +212,14 @@ def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
 
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tests.serve.test_web_ui import _ask, _browser, _set
+    from tests.serve.test_web_ui import _ask, _attach, _browser, _open_page, _set
 
     browser = _browser()
     try:
         wait = WebDriverWait(browser, 60)
-        browser.get(demo_server.url + "/")
-        _set(browser, "api-key", demo_server.api_key)
-        browser.find_element("id", "prompt").click()
-        wait.until(lambda b: b.find_element("id", "model").text == "demo")
+        _open_page(browser, wait, demo_server.url, demo_server.api_key, "demo")
         _set(browser, "temperature", "0")
-        file_input = browser.find_element("id", "file")
-        browser.execute_script("arguments[0].hidden = false", file_input)
-        file_input.send_keys(str(SHAPES))
-        browser.execute_script("arguments[0].hidden = true", file_input)
-        wait.until(lambda b: b.find_elements("css selector", "#attachments .pending img"))
+        _attach(browser, wait, SHAPES)
         answer = _ask(browser, wait, "Find every shape.")
         drawn = {
             box.text: tuple(float(box.get_attribute(f"data-{k}")) for k in ("x1", "y1", "x2", "y2"))
