@@ -97,16 +97,11 @@ def random_scene(rng: random.Random) -> Scene:
         if (kind, colour) in used:
             continue
         size = rng.choice(tuple(SIZES))
-        side = SIZES[size] * rng.uniform(0.9, 1.1)
-        for _ in range(100):
-            x1, y1 = rng.uniform(0.03, 0.97 - side), rng.uniform(0.03, 0.97 - side)
-            box = (x1, y1, x1 + side, y1 + side)
-            if all(_apart(box, s.box, 0.04) for s in shapes):
-                shapes.append(Shape(kind, colour, size, box))
-                used.add((kind, colour))
-                break
-        else:  # no room left: a smaller scene
+        box = _free_box(rng, SIZES[size] * rng.uniform(0.9, 1.1), shapes)
+        if box is None:  # no room left: a smaller scene
             break
+        shapes.append(Shape(kind, colour, size, box))
+        used.add((kind, colour))
     shade = rng.randint(215, 255)
     tint = tuple(min(255, shade + rng.randint(-12, 12)) for _ in range(3))
     noise = rng.choice((0.0, 0.0, 6.0, 12.0))
@@ -118,12 +113,18 @@ def random_scene(rng: random.Random) -> Scene:
 def _place_glyph(rng: random.Random, shapes: list[Shape]) -> Glyph | None:
     side = rng.uniform(*GLYPH_SIZE)
     char = rng.choice(GLYPHS)
+    box = _free_box(rng, side, shapes)
+    return None if box is None else Glyph(char, box)  # None: no room beside the shapes
+
+
+def _free_box(rng: random.Random, side: float, shapes: list[Shape]) -> tuple[float, float, float, float] | None:
+    """A side x side square clear of every shape by a margin, from up to 100 random tries."""
     for _ in range(100):
         x1, y1 = rng.uniform(0.03, 0.97 - side), rng.uniform(0.03, 0.97 - side)
         box = (x1, y1, x1 + side, y1 + side)
         if all(_apart(box, s.box, 0.04) for s in shapes):
-            return Glyph(char, box)
-    return None  # no room beside the shapes
+            return box
+    return None
 
 
 def _apart(a: tuple[float, ...], b: tuple[float, ...], gap: float) -> bool:
