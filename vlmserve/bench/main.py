@@ -28,7 +28,8 @@ from vlmserve.bench.metrics import RunResult, greedy_agreement
 from vlmserve.bench.options import add_arguments
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
-from vlmserve.bench.workload import make_workload
+from vlmserve.bench.single import run_single
+from vlmserve.bench.workload import BenchRequest, make_workload
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.kernels.dispatch import linear_op_json
 from vlmserve.models.layers import bound_linear_op
@@ -40,7 +41,10 @@ class Phases:
     """Says which phase the benchmark is in, out of how many, and how long it has run."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.total = 3 + (0 if args.no_hf else 3) + bool(args.concurrency) + bool(args.image_sizes)
+        if args.single:
+            self.total = 2 + (0 if args.no_hf else 1)
+        else:
+            self.total = 3 + (0 if args.no_hf else 3) + bool(args.concurrency) + bool(args.image_sizes)
         self.done = 0
         self.start = time.perf_counter()
 
@@ -72,11 +76,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_out = max(args.output_len[1], args.single_output_len, args.sweep_output_len[1])
     biggest = max([args.image_size, *args.image_sizes])
     max_model_len = (biggest // 28) ** 2 + args.input_len * 2 + max_out + 64
-    max_seqs = max([args.num_requests, *args.concurrency, 1])
+    max_seqs = 4 if args.single else max([args.num_requests, *args.concurrency, 1])
     phases = Phases(args)
     phases.begin("vlmserve: loading the model")
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=max_model_len, max_num_seqs=max_seqs)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_model_len=max_model_len,
+        max_num_seqs=max_seqs,
+        quantization=args.quantization,
+    )
     engine = llm.llm_engine
     report: dict[str, Any] = {
         "machine": {
@@ -87,6 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "vlmserve_startup_s": round(time.perf_counter() - t0, 2),
         "memory_plan": engine.memory_plan.describe(),
         # Which matrix product each layer shape and row count got (CPU bf16: kernels/dispatch.py).
@@ -97,6 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
     single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
     run_vlmserve(engine, make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2), 2, tag="-warmup")
+    if args.single:
+        return _run_single(args, llm, single, report, phases)
 
     # NOTE: every measured vlmserve run starts from empty prefix and encoder caches: transformers
     # has none, and a repeated request would otherwise be served from them.
@@ -168,11 +182,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["sweeps"] = _sweeps(args, llm, hf_model if args.sweep_hf else None, phases)
     report["results"] = results
     _print_linear_layers(report["linear_layers"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, args.out / "bench.png")
-    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    _write(report, args.out)
     return report
+
+
+def _run_single(
+    args: argparse.Namespace, llm: LLM, single: list[BenchRequest], report: dict[str, Any], phases: Phases
+) -> dict[str, Any]:
+    hf_model = None
+    if not args.no_hf:
+        phases.begin("transformers: loading the model")
+        hf_model = load_hf_model(Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
+        run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
+    phases.begin(f"one request alone, {args.single_rounds} rounds")
+    report["single"] = run_single(args, llm, hf_model, single)
+    _print_linear_layers(report["linear_layers"])
+    _write(report, args.out, plot=False)
+    return report
+
+
+def _write(report: dict[str, Any], out: Path, plot: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    if plot:
+        _plot(report, out / "bench.png")
+        print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    else:
+        print(f"\nwrote {out / 'bench.json'}")
 
 
 def _print_linear_layers(linear: dict[str, Any]) -> None:

@@ -50,6 +50,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-hf", action="store_true", help="skip transformers: vlmserve's numbers only")
     p.add_argument(
+        "--single",
+        action="store_true",
+        help="only one request alone (--single-rounds rounds alternating the engines): decode step, time to "
+        "first token, and the read bandwidth measured in each round with the step's share of its limit",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="vlmserve's weight-only quantization (transformers stays at --dtype)",
+    )
+    p.add_argument(
         "--concurrency",
         type=positive_int,
         nargs="*",

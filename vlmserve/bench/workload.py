@@ -30,6 +30,7 @@ class BenchRequest:
     prompt: ProcessedPrompt
     output_len: int
     image_size: tuple[int, int]
+    image: Image.Image | None = None  # the picture in the prompt (another engine is given the same one)
 
 
 def make_workload(
@@ -47,11 +48,7 @@ def make_workload(
     for i in range(num_requests):
         pixels = np_rng.integers(0, 256, (image_size[1], image_size[0], 3), dtype=np.uint8)
         words = " ".join(rng.choice(_WORDS) for _ in range(input_len))
-        messages = [
-            {
-                "role": "user",
-                "content": [{"type": "image", "image": Image.fromarray(pixels)}, {"type": "text", "text": words}],
-            }
-        ]
-        requests.append(BenchRequest(i, llm.process_chat(messages), rng.randint(lo, hi), image_size))
+        image = Image.fromarray(pixels)
+        messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": words}]}]
+        requests.append(BenchRequest(i, llm.process_chat(messages), rng.randint(lo, hi), image_size, image))
     return requests
