@@ -113,6 +113,11 @@ class CpuKernels:
         lib.vlm_bf16_to_f32.restype = None
         lib.vlm_decode_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         lib.vlm_decode_attention.restype = None
+        lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
+        lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64]
+        lib.vlm_rotary_qk_f32_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64]
+        for name in ("add_rms_norm_bf16", "rotary_qk_bf16", "rotary_qk_f32_bf16"):
+            getattr(lib, f"vlm_{name}").restype = None
         self._lib = lib
         self.path = library
 
@@ -168,6 +173,28 @@ class CpuKernels:
             int(q.dtype == torch.bfloat16),
         )
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm of it) for bf16 [num_tokens, hidden] x and delta (contiguous) and
+        bf16 weight; without delta, (x, RMSNorm of x)."""
+        m, h = x.shape
+        out = torch.empty_like(x)
+        total = x if delta is None else torch.empty_like(x)
+        self._lib.vlm_add_rms_norm_bf16(
+            x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), total.data_ptr(),
+            out.data_ptr(), m, h, eps,
+        )  # fmt: skip
+        return total, out
+
+    def rotary_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate-half rotary embedding in place: q [n, nq, D], k [n, nk, D] bf16 with contiguous
+        heads (rows may be strided: views of a fused qkv output); cos, sin [n, D] contiguous, bf16
+        (each op rounds to bf16, as torch's bf16 ops) or fp32 (fp32 arithmetic, one rounding)."""
+        n, nq, d = q.shape
+        fn = self._lib.vlm_rotary_qk_bf16 if cos.dtype == torch.bfloat16 else self._lib.vlm_rotary_qk_f32_bf16
+        fn(q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d)
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""

@@ -260,3 +260,93 @@ void vlm_decode_attention(const void *q, const void *cache, const int64_t *block
     decode_attention(q, cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, num_blocks,
                      block_size, max_blocks, scale, (int)bf16);
 }
+
+/*
+ * Element-wise layers between the matrix products (bf16 only): RMSNorm after a residual add,
+ * rotary embedding. Why: torch runs each as 6-9 small ops (20-30 us per call in a one-request
+ * decode step), and the vision towers' fp32 rotary spends most of its time in torch's bf16 <->
+ * fp32 copies. Each rounds where the torch expressions of models/layers.py round (every bf16
+ * op's fp32 result to bf16, nearest even), so the results are the same bits except where a
+ * sum's order differs (the RMSNorm mean). (SwiGLU and quick_gelu stay torch's: a scalar expf
+ * here was slower than torch's vectorized exp.)
+ */
+
+/* sum[m] = x[m] + delta[m] (bf16; skipped when delta is NULL: sum = x), then
+ * out[m] = w * bf16(sum * rsqrt(mean(sum^2) + eps)), rows of H. */
+void vlm_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, const uint16_t *w, uint16_t *sum, uint16_t *out,
+                           int64_t M, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * H;
+        uint16_t *sr = delta ? sum + m * H : (uint16_t *)xr;
+        float acc[8] = {0};
+        for (int64_t i = 0; i < H; i++) {
+            float s = bf16_to_f32(xr[i]);
+            if (delta) {
+                sr[i] = f32_to_bf16(s + bf16_to_f32(delta[m * H + i]));
+                s = bf16_to_f32(sr[i]);
+            }
+            acc[i & 7] += s * s;
+        }
+        const float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        const float r = 1.0f / sqrtf(total / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(sr[i]) * r));
+            out[m * H + i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+        }
+    }
+}
+
+/* Rotate-half rotary embedding in place on q [M, nq, D] and k [M, nk, D] (rows `q_stride` /
+ * `k_stride` elements apart, heads contiguous); cos, sin [M, D]:
+ * x[i] <- x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]. */
+static void rotate_heads(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+            const float lo = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(c[i]))) +
+                             bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(s[i])));
+            const float hi = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(c[i + half]))) +
+                             bf16_to_f32(f32_to_bf16(a * bf16_to_f32(s[i + half])));
+            v[i] = f32_to_bf16(lo);
+            v[i + half] = f32_to_bf16(hi);
+        }
+    }
+}
+
+void vlm_rotary_qk_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const uint16_t *cos,
+                        const uint16_t *sin, int64_t M, int64_t nq, int64_t nk, int64_t D) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        rotate_heads(q + m * q_stride, cos + m * D, sin + m * D, nq, D);
+        rotate_heads(k + m * k_stride, cos + m * D, sin + m * D, nk, D);
+    }
+}
+
+/* The vision towers' rotary embedding: as vlm_rotary_qk_bf16, but cos, sin are fp32 and the
+ * arithmetic is fp32 throughout (x widened, x cos + rotate_half(x) sin, one rounding to bf16), as
+ * the reference computes it. Built without FMA contraction (-std=c11), so each product and the
+ * sum round as torch's separate fp32 ops do. */
+static void rotate_heads_f32(uint16_t *x, const float *c, const float *s, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        uint16_t *v = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+            const float a_c = a * c[i], b_s = -b * s[i], b_c = b * c[i + half], a_s = a * s[i + half];
+            v[i] = f32_to_bf16(a_c + b_s);
+            v[i + half] = f32_to_bf16(b_c + a_s);
+        }
+    }
+}
+
+void vlm_rotary_qk_f32_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const float *cos,
+                            const float *sin, int64_t M, int64_t nq, int64_t nk, int64_t D) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        rotate_heads_f32(q + m * q_stride, cos + m * D, sin + m * D, nq, D);
+        rotate_heads_f32(k + m * k_stride, cos + m * D, sin + m * D, nk, D);
+    }
+}

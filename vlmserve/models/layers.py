@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import LinearOp
+from vlmserve.kernels.cpu import CpuKernels, load_cpu_kernels
 
 
 class Linear(nn.Linear):
@@ -39,6 +40,14 @@ def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
     return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
 
 
+def _cpu_bf16_kernels(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The CPU kernels of the element-wise layers (kernels/cpu_linear.c), where they apply: bf16
+    tensors on the CPU and the kernels built (VLMSERVE_CPU_KERNELS=0: never)."""
+    if all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+        return load_cpu_kernels()
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -46,11 +55,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _cpu_bf16_kernels(x, self.weight)
+        if kernels is not None and x.ndim == 2 and x.is_contiguous():
+            return kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
         # Normalise in float32, round to the input dtype, then scale (as transformers' Qwen2).
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): a residual add and the next norm, one kernel on the CPU."""
+        kernels = _cpu_bf16_kernels(x, delta, self.weight)
+        if kernels is not None and x.ndim == 2 and x.is_contiguous() and delta.is_contiguous():
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +82,48 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim] (the two halves of
     the head pair dimension i with i + head_dim / 2)."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q [n, nq, D] and k [n, nk, D] (cos, sin in the activations' dtype). For bf16
+    on the CPU one kernel rotates both in place (views of a fused qkv output may be passed: rows
+    strided, heads contiguous)."""
+    if _rotary_kernel_applies(q, k, cos, sin, torch.bfloat16):
+        load_cpu_kernels().rotary_qk_(q, k, cos, sin)  # type: ignore[union-attr]
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary_qk_fp32(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision towers' rotary (as the reference): q, k [n, heads, D] widened to fp32, rotated
+    with fp32 cos, sin [n, D], rounded back to their dtype once. One kernel in place for bf16 on
+    the CPU (torch's bf16 <-> fp32 copies alone took ~10 % of a Qwen2-VL-2B image encode)."""
+    if _rotary_kernel_applies(q, k, cos, sin, torch.float32):
+        load_cpu_kernels().rotary_qk_(q, k, cos, sin)  # type: ignore[union-attr]
+        return q, k
+    rotate = lambda x: (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)  # noqa: E731
+    return rotate(q), rotate(k)
+
+
+def _rotary_kernel_applies(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos_dtype: torch.dtype
+) -> bool:
+    d = q.shape[-1]
+    return (
+        _cpu_bf16_kernels(q, k) is not None
+        and cos.dtype == sin.dtype == cos_dtype
+        and cos.device.type == "cpu"
+        and q.stride()[1:] == (d, 1)
+        and k.stride()[1:] == (d, 1)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape == (q.shape[0], d)
+        and d % 2 == 0
+    )
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

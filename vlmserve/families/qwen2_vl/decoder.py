@@ -10,7 +10,7 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
-from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary_qk
 from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_parts
 
 
@@ -56,8 +56,9 @@ class Qwen2Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = apply_rotary_qk(
+            q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), cos, sin
+        )
         v = v.view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -85,8 +86,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), cos, sin, meta))
+        return x + self.mlp(h)
 
 
 class Qwen2Model(nn.Module):

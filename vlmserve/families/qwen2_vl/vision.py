@@ -10,7 +10,7 @@ from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
-from vlmserve.models.layers import Linear, get_activation, rotate_half
+from vlmserve.models.layers import Linear, apply_rotary_qk_fp32, get_activation
 from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, head_parts
 
 
@@ -67,8 +67,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         # Rotary applied in float32 (as the reference), then back to the activation dtype.
-        q = (q.float() * cos[:, None] + rotate_half(q.float()) * sin[:, None]).to(x.dtype)
-        k = (k.float() * cos[:, None] + rotate_half(k.float()) * sin[:, None]).to(x.dtype)
+        q, k = apply_rotary_qk_fp32(q, k, cos, sin)
         out = self.backend.varlen_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 

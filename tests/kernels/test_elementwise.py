@@ -1,0 +1,90 @@
+"""The element-wise CPU kernels (cpu_linear.c) against the torch expressions they replace in
+models/layers.py: residual add + RMSNorm, and rotary embedding on strided q/k views of a fused
+qkv output (bf16 rounding after every op; the vision towers' fp32 variant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmserve.kernels.cpu import load_cpu_kernels
+from vlmserve.models.layers import RMSNorm, apply_rotary, apply_rotary_qk, apply_rotary_qk_fp32, rotate_half
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels need AVX2 and a C compiler")
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between same-signed values (the bit patterns' difference)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: the rows are split among threads
+@pytest.mark.parametrize("hidden", [1536, 100])
+def test_add_rms_norm_is_the_residual_add_then_torchs_norm(rows: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 4).bfloat16()
+    delta = torch.randn(rows, hidden, generator=g).bfloat16()
+    norm = RMSNorm(hidden, eps=1e-5).bfloat16()
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    with torch.inference_mode():
+        total, out = norm.add(x, delta)
+        plain = norm(x)
+    assert torch.equal(total, x + delta)  # one bf16 rounding of the sum, as torch's add
+    want = _torch_rms_norm(x + delta, norm.weight, 1e-5)
+    # Only the mean's summation order differs: a rare last-bit flip, never more.
+    assert _bf16_ulps(out, want).max() <= 1 and (out != want).float().mean() < 1e-3
+    want_plain = _torch_rms_norm(x, norm.weight, 1e-5)
+    assert _bf16_ulps(plain, want_plain).max() <= 1 and (plain != want_plain).float().mean() < 1e-3
+
+
+def test_rms_norm_keeps_torch_for_float32_and_strided_inputs() -> None:
+    norm = RMSNorm(64).float()
+    x = torch.randn(3, 64)
+    assert torch.equal(norm(x), _torch_rms_norm(x, norm.weight, norm.eps))
+    xb = torch.randn(64, 3).bfloat16().t()  # not contiguous: torch's expression
+    assert torch.equal(norm.bfloat16()(xb), _torch_rms_norm(xb, norm.weight, norm.eps))
+
+
+def _qkv(rows: int, nq: int, nk: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, (nq + 2 * nk) * d, generator=g) * 3).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int) -> None:
+    nq, nk, d = 12, 2, 128
+    qkv = _qkv(rows, nq, nk, d, rows)
+    q, k, v = qkv.split([nq * d, nk * d, nk * d], dim=-1)
+    q, k = q.view(rows, nq, d), k.view(rows, nk, d)
+    angles = torch.rand(rows, d, generator=torch.Generator().manual_seed(1)) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    want_q, want_k, want_v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
+    got_q, got_k = apply_rotary_qk(q, k, cos, sin)
+    assert got_q.data_ptr() == qkv.data_ptr()  # rotated in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)  # the same bits: no sums reordered
+    assert torch.equal(v, want_v)  # v untouched
+
+
+def test_vision_rotary_in_fp32_equals_the_reference_expression() -> None:
+    rows, heads, d = 70, 16, 80
+    qkv = _qkv(rows, heads, heads, d, 7)
+    q, k, v = qkv.view(rows, 3, heads, d).unbind(1)  # the vision towers' layout: rows 3 * heads * d apart
+    angles = torch.rand(rows, d, generator=torch.Generator().manual_seed(2)) * 40
+    cos, sin = angles.cos(), angles.sin()
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)
+
+    want_q, want_k, want_v = reference(q), reference(k), v.clone()
+    got_q, got_k = apply_rotary_qk_fp32(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(v, want_v)
+    # fp32 activations: torch's expression, unchanged
+    qf, kf = q.float(), k.float()
+    got = apply_rotary_qk_fp32(qf, kf, cos, sin)
+    assert torch.equal(got[0], reference(qf)) and torch.equal(got[1], reference(kf))
