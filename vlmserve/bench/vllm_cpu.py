@@ -50,7 +50,11 @@ class VllmWorker:
         self.proc = subprocess.Popen(
             # -P: the worker's own folder (vlmserve/bench, whose kernels.py would shadow the
             # `kernels` package transformers looks for) stays off sys.path
-            [python, "-P", str(worker), model, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [python, "-P", str(worker), model, str(folder)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.ready = self._answer()
 
