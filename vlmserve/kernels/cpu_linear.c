@@ -185,7 +185,12 @@ void vlm_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, ui
  * cache:  [2, num_blocks, block_size, num_kv_heads, head_dim]    (T)
  * out:    [num_seqs, num_heads, head_dim]                        (T)
  * Scores, softmax and the weighted sum are fp32 (online softmax); query heads h use kv head
- * h / (num_heads / num_kv_heads).
+ * h / (num_heads / num_kv_heads). Tokens go in chunks: the chunk's K and V rows are prefetched
+ * together (its blocks lie anywhere in the cache), each row is widened once for the whole group
+ * of query heads, and the softmax state is rescaled once per chunk, not per token. Measured on
+ * the Zen 4 machine of docs/benchmarks.md, against the per-token version: one query (12 heads, 2
+ * KV heads) over 325 tokens 81 -> 48 us, 32 queries over 400 tokens 3.2 -> 2.1 ms (KV in cache);
+ * inside a one-request Qwen2-VL-2B decode step no change beyond the noise (3.3 vs 3.7 ms a step).
  */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -198,16 +203,22 @@ static inline __m256 load8(const void *base, int64_t i, int bf16) {
     return bf16 ? load8_bf16((const uint16_t *)base + i) : _mm256_loadu_ps((const float *)base + i);
 }
 
+#define CHUNK 32 /* tokens whose scores are computed before the softmax state is updated once */
+
 static void decode_attention(const void *q, const void *cache, const int64_t *block_tables, const int64_t *seq_lens,
                              void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * token_stride;
+    const int64_t d8 = head_dim & ~(int64_t)7;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            /* the group's query heads share each K and V row: widened once per token, used by all */
             float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+            float row_f[MAX_HEAD_DIM], p[MAX_GROUP][CHUNK];
+            int64_t rows[CHUNK];
             for (int64_t g = 0; g < group; g++) {
                 const int64_t h = kvh * group + g;
                 for (int64_t d = 0; d < head_dim; d++) {
@@ -218,27 +229,66 @@ static void decode_attention(const void *q, const void *cache, const int64_t *bl
                 l[g] = 0.0f;
             }
             const int64_t len = seq_lens[s];
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t block = block_tables[s * max_blocks + t / block_size];
-                const int64_t row = ((block * block_size) + t % block_size) * token_stride + kvh * head_dim;
-                for (int64_t g = 0; g < group; g++) {
-                    __m256 dot = _mm256_setzero_ps();
-                    int64_t d = 0;
-                    for (; d + 8 <= head_dim; d += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf[g] + d), load8(cache, row + d, bf16), dot);
-                    float score = hsum(dot);
-                    for (; d < head_dim; d++) score += qf[g][d] * load1(cache, row + d, bf16);
-                    /* online softmax: rescale what was accumulated when the max grows */
-                    const float m_new = score > m[g] ? score : m[g];
-                    const float correction = expf(m[g] - m_new), p = expf(score - m_new);
-                    l[g] = l[g] * correction + p;
-                    m[g] = m_new;
-                    const __m256 c8 = _mm256_set1_ps(correction), p8 = _mm256_set1_ps(p);
-                    d = 0;
-                    for (; d + 8 <= head_dim; d += 8) {
-                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), c8);
-                        _mm256_storeu_ps(acc[g] + d, _mm256_fmadd_ps(p8, load8(cache, v_offset + row + d, bf16), a));
+            for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+                const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
+                /* the chunk's K and V rows requested at once (they lie in blocks anywhere in the cache) */
+                const int64_t row_bytes = head_dim * (bf16 ? 2 : 4);
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t t = t0 + j;
+                    const int64_t block = block_tables[s * max_blocks + t / block_size];
+                    rows[j] = ((block * block_size) + t % block_size) * token_stride + kvh * head_dim;
+                    const char *k_row = (const char *)cache + rows[j] * (bf16 ? 2 : 4);
+                    const char *v_row = k_row + v_offset * (bf16 ? 2 : 4);
+                    for (int64_t b = 0; b < row_bytes; b += 64) {
+                        _mm_prefetch(k_row + b, _MM_HINT_T0);
+                        _mm_prefetch(v_row + b, _MM_HINT_T1);
                     }
-                    for (; d < head_dim; d++) acc[g][d] = acc[g][d] * correction + p * load1(cache, v_offset + row + d, bf16);
+                }
+                /* scores of the chunk's tokens for every head of the group */
+                for (int64_t j = 0; j < n; j++) {
+                    for (int64_t d = 0; d < d8; d += 8) _mm256_storeu_ps(row_f + d, load8(cache, rows[j] + d, bf16));
+                    for (int64_t d = d8; d < head_dim; d++) row_f[d] = load1(cache, rows[j] + d, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        __m256 dot = _mm256_setzero_ps();
+                        for (int64_t d = 0; d < d8; d += 8)
+                            dot = _mm256_fmadd_ps(_mm256_loadu_ps(qf[g] + d), _mm256_loadu_ps(row_f + d), dot);
+                        float score = hsum(dot);
+                        for (int64_t d = d8; d < head_dim; d++) score += qf[g][d] * row_f[d];
+                        p[g][j] = score;
+                    }
+                }
+                /* online softmax, once per chunk: rescale what was accumulated if the max grew */
+                for (int64_t g = 0; g < group; g++) {
+                    float m_new = m[g];
+                    for (int64_t j = 0; j < n; j++) m_new = p[g][j] > m_new ? p[g][j] : m_new;
+                    const float correction = expf(m[g] - m_new);
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < n; j++) {
+                        p[g][j] = expf(p[g][j] - m_new);
+                        sum += p[g][j];
+                    }
+                    l[g] = l[g] * correction + sum;
+                    m[g] = m_new;
+                    if (correction != 1.0f) {
+                        const __m256 c8 = _mm256_set1_ps(correction);
+                        for (int64_t d = 0; d < d8; d += 8)
+                            _mm256_storeu_ps(acc[g] + d, _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), c8));
+                        for (int64_t d = d8; d < head_dim; d++) acc[g][d] *= correction;
+                    }
+                }
+                /* acc += p V, each V row widened once */
+                for (int64_t j = 0; j < n; j++) {
+                    for (int64_t d = 0; d < d8; d += 8)
+                        _mm256_storeu_ps(row_f + d, load8(cache, v_offset + rows[j] + d, bf16));
+                    for (int64_t d = d8; d < head_dim; d++) row_f[d] = load1(cache, v_offset + rows[j] + d, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m256 p8 = _mm256_set1_ps(p[g][j]);
+                        for (int64_t d = 0; d < d8; d += 8) {
+                            const __m256 a = _mm256_loadu_ps(acc[g] + d);
+                            _mm256_storeu_ps(acc[g] + d, _mm256_fmadd_ps(p8, _mm256_loadu_ps(row_f + d), a));
+                        }
+                        for (int64_t d = d8; d < head_dim; d++) acc[g][d] += p[g][j] * row_f[d];
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
