@@ -114,9 +114,8 @@ class CpuKernels:
         lib.vlm_decode_attention.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         lib.vlm_decode_attention.restype = None
         lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
-        lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64]
-        lib.vlm_rotary_qk_f32_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64]
-        for name in ("add_rms_norm_bf16", "rotary_qk_bf16", "rotary_qk_f32_bf16"):
+        lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
+        for name in ("add_rms_norm_bf16", "rotary_qk_bf16"):
             getattr(lib, f"vlm_{name}").restype = None
         self._lib = lib
         self.path = library
@@ -193,8 +192,10 @@ class CpuKernels:
         heads (rows may be strided: views of a fused qkv output); cos, sin [n, D] contiguous, bf16
         (each op rounds to bf16, as torch's bf16 ops) or fp32 (fp32 arithmetic, one rounding)."""
         n, nq, d = q.shape
-        fn = self._lib.vlm_rotary_qk_bf16 if cos.dtype == torch.bfloat16 else self._lib.vlm_rotary_qk_f32_bf16
-        fn(q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d)
+        self._lib.vlm_rotary_qk_bf16(
+            q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d,
+            int(cos.dtype == torch.bfloat16),
+        )  # fmt: skip
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""

@@ -349,54 +349,36 @@ void vlm_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, const uint1
 
 /* Rotate-half rotary embedding in place on q [M, nq, D] and k [M, nk, D] (rows `q_stride` /
  * `k_stride` elements apart, heads contiguous); cos, sin [M, D]:
- * x[i] <- x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]. */
-static void rotate_heads(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t heads, int64_t D) {
+ * x[i] <- x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2].
+ * cos_bf16: cos, sin are bf16 and each product rounds to bf16 as torch's bf16 ops do (the
+ * decoders); otherwise they are fp32 and the arithmetic is fp32 throughout, one rounding to bf16
+ * at the end, as the reference computes the vision towers' rotary. Built without FMA contraction
+ * (-std=c11), so each product and the sum round as torch's separate ops do. */
+static inline float round_if(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static void rotate_heads(uint16_t *x, const void *c, const void *s, int64_t heads, int64_t D, int cos_bf16) {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < heads; h++) {
         uint16_t *v = x + h * D;
         for (int64_t i = 0; i < half; i++) {
             const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
-            const float lo = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(c[i]))) +
-                             bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(s[i])));
-            const float hi = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(c[i + half]))) +
-                             bf16_to_f32(f32_to_bf16(a * bf16_to_f32(s[i + half])));
-            v[i] = f32_to_bf16(lo);
-            v[i + half] = f32_to_bf16(hi);
-        }
-    }
-}
-
-void vlm_rotary_qk_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const uint16_t *cos,
-                        const uint16_t *sin, int64_t M, int64_t nq, int64_t nk, int64_t D) {
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        rotate_heads(q + m * q_stride, cos + m * D, sin + m * D, nq, D);
-        rotate_heads(k + m * k_stride, cos + m * D, sin + m * D, nk, D);
-    }
-}
-
-/* The vision towers' rotary embedding: as vlm_rotary_qk_bf16, but cos, sin are fp32 and the
- * arithmetic is fp32 throughout (x widened, x cos + rotate_half(x) sin, one rounding to bf16), as
- * the reference computes it. Built without FMA contraction (-std=c11), so each product and the
- * sum round as torch's separate fp32 ops do. */
-static void rotate_heads_f32(uint16_t *x, const float *c, const float *s, int64_t heads, int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        uint16_t *v = x + h * D;
-        for (int64_t i = 0; i < half; i++) {
-            const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
-            const float a_c = a * c[i], b_s = -b * s[i], b_c = b * c[i + half], a_s = a * s[i + half];
+            const float a_c = round_if(a * load1(c, i, cos_bf16), cos_bf16);
+            const float b_s = round_if(-b * load1(s, i, cos_bf16), cos_bf16);
+            const float b_c = round_if(b * load1(c, i + half, cos_bf16), cos_bf16);
+            const float a_s = round_if(a * load1(s, i + half, cos_bf16), cos_bf16);
             v[i] = f32_to_bf16(a_c + b_s);
             v[i + half] = f32_to_bf16(b_c + a_s);
         }
     }
 }
 
-void vlm_rotary_qk_f32_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const float *cos,
-                            const float *sin, int64_t M, int64_t nq, int64_t nk, int64_t D) {
+void vlm_rotary_qk_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const void *cos,
+                        const void *sin, int64_t M, int64_t nq, int64_t nk, int64_t D, int64_t cos_bf16) {
+    const int64_t item = cos_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
-        rotate_heads_f32(q + m * q_stride, cos + m * D, sin + m * D, nq, D);
-        rotate_heads_f32(k + m * k_stride, cos + m * D, sin + m * D, nk, D);
+        const char *c = (const char *)cos + m * D * item, *s = (const char *)sin + m * D * item;
+        rotate_heads(q + m * q_stride, c, s, nq, D, (int)cos_bf16);
+        rotate_heads(k + m * k_stride, c, s, nk, D, (int)cos_bf16);
     }
 }
