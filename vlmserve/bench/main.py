@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from vlmserve.bench.metrics import RunResult, greedy_agreement
+from vlmserve.bench.metrics import RunResult, greedy_agreement, print_table
 from vlmserve.bench.options import add_arguments
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.single import run_single
-from vlmserve.bench.workload import BenchRequest, make_workload
+from vlmserve.bench.workload import BenchRequest, make_workload, max_model_len_for
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.kernels.dispatch import linear_op_json
 from vlmserve.models.layers import bound_linear_op
@@ -58,14 +58,6 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def _print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    print(f"\n{title}")
-    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for r in rows:
-        print("  ".join(f"{r.get(c, '')}".rjust(w) for c, w in zip(columns, widths, strict=True)))
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -75,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.model = str(bench_checkpoint_dir())
     max_out = max(args.output_len[1], args.single_output_len, args.sweep_output_len[1])
     biggest = max([args.image_size, *args.image_sizes])
-    max_model_len = (biggest // 28) ** 2 + args.input_len * 2 + max_out + 64
+    max_model_len = max_model_len_for(biggest, args.input_len, max_out)
     max_seqs = 4 if args.single else max([args.num_requests, *args.concurrency, 1])
     phases = Phases(args)
     phases.begin("vlmserve: loading the model")
@@ -106,11 +98,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     size = (args.image_size, args.image_size)
-    workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
     single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
     run_vlmserve(engine, make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2), 2, tag="-warmup")
     if args.single:
         return _run_single(args, llm, single, report, phases)
+    workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
 
     # NOTE: every measured vlmserve run starts from empty prefix and encoder caches: transformers
     # has none, and a repeated request would otherwise be served from them.
@@ -125,8 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases.begin("vlmserve: one request alone")
         alone = run_vlmserve(engine, single, concurrency=1, tag="-single", desc="one request")
         results["vlmserve"]["single"] = [alone.to_json()]
-        _print_table("workload", [ours.summary()], list(ours.summary()))
-        _print_table("one request alone", [alone.summary()], list(alone.summary()))
+        print_table("workload", [ours.summary()], list(ours.summary()))
+        print_table("one request alone", [alone.summary()], list(alone.summary()))
     else:
         phases.begin("transformers: loading the model")
         hf_model = load_hf_model(Path(engine.model_dir), dtype)
@@ -164,13 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "decode_step_ratios": [round(x, 3) for x in decode],
             "encode_and_prefill_ratios": [round(x, 3) for x in prefill],
         }
-        _print_table("workload", [ours.summary(), theirs.summary()], [*ours.summary(), "batch_size"])
+        print_table("workload", [ours.summary(), theirs.summary()], [*ours.summary(), "batch_size"])
         rows = [
             x.summary() | {"round": i}
             for i, pair in enumerate(zip(ours_single, theirs_single, strict=True))
             for x in pair
         ]
-        _print_table("one request alone", rows, ["round", *ours.summary()])
+        print_table("one request alone", rows, ["round", *ours.summary()])
         agreement = report["greedy_agreement"]
         print(
             f"\ngreedy tokens: {agreement['identical']} of {agreement['requests']} requests identical in both engines"
@@ -216,7 +208,7 @@ def _print_linear_layers(linear: dict[str, Any]) -> None:
     choices = linear.get("choices")
     if choices:
         rows = [{"shape": shape} | paths for shape, paths in choices.items()]
-        _print_table("path per layer shape (out x in) and rows", rows, ["shape", *linear["buckets"]])
+        print_table("path per layer shape (out x in) and rows", rows, ["shape", *linear["buckets"]])
 
 
 def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -> dict[str, list[dict[str, Any]]]:
@@ -240,7 +232,7 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -
             if hf_model is not None:
                 rows.append(run_hf(hf_model, reqs, c, desc=f"transformers, batch {c}").summary())
             out["concurrency"].extend(rows)
-        _print_table("concurrency sweep", out["concurrency"], [*out["concurrency"][0], "batch_size"])
+        print_table("concurrency sweep", out["concurrency"], [*out["concurrency"][0], "batch_size"])
     if args.image_sizes:
         phases.begin(f"image size sweep: {args.image_sizes} pixels square")
         n = min(args.sweep_requests, 16)
@@ -254,7 +246,7 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -
                 row["image_size"] = s
                 row["image_tokens"] = r[0].prompt.mm_items[0].length
             out["image_size"].extend(rows)
-        _print_table(
+        print_table(
             "image size sweep", out["image_size"], ["image_size", "image_tokens", *list(out["image_size"][0])[:-2]]
         )
     return out

@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 def median_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -97,3 +98,12 @@ def greedy_agreement(ours: RunResult, theirs: RunResult) -> dict[str, object]:
         prefixes.append(prefix)
         identical += t.token_ids == other
     return {"requests": len(prefixes), "identical": identical, "tokens_before_first_difference": prefixes}
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Prints rows (dicts) as right-aligned columns under a blank line and the title."""
+    print(f"\n{title}")
+    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(f"{r.get(c, '')}".rjust(w) for c, w in zip(columns, widths, strict=True)))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmserve.bench.metrics import RunResult
+from vlmserve.bench.metrics import RunResult, print_table
 from vlmserve.bench.run_hf import run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import BenchRequest
@@ -113,18 +113,16 @@ def run_single(args: argparse.Namespace, llm: LLM, hf_model: Any, request: list[
     print(
         f"\none request alone: {req.prompt.num_tokens} prompt tokens "
         f"({req.prompt.mm_items[0].length if req.prompt.mm_items else 0} of them image), "
-        f"{req.output_len} output tokens, vlmserve {args.quantization or args.dtype}, "
-        f"transformers {args.dtype}"
-    )
-    print(
-        f"a decode step reads {weights / 1e9:.3f} GB of weights + {kv / 1e6:.1f} MB of KV cache; "
-        "limit = those bytes / the read bandwidth measured before the round"
+        f"{req.output_len} output tokens, vlmserve {args.quantization or args.dtype}"
+        + ("" if hf_model is None else f", transformers {args.dtype}")
     )
     columns = list(rounds[0])
-    widths = [max(len(c), *(len(str(row[c])) for row in rounds)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rounds:
-        print("  ".join(str(row[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
+    print_table(
+        f"a decode step reads {weights / 1e9:.3f} GB of weights + {kv / 1e6:.1f} MB of KV cache; "
+        "limit = those bytes / the read bandwidth measured before the round",
+        rounds,
+        columns,
+    )
     medians = {k: statistics.median(row[k] for row in rounds) for k in columns if k != "round"}
     print("median  " + "  ".join(f"{k} {v:g}" for k, v in medians.items()))
     return {

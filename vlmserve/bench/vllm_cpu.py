@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.workload import make_workload
+from vlmserve.bench.workload import make_workload, max_model_len_for
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
 
@@ -73,13 +75,10 @@ class VllmWorker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.ask_quit()
-
-    def ask_quit(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
 
 
 def _vlmserve_generate(llm: LLM, requests: list[dict[str, Any]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -96,66 +95,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from vlmserve.tools.tiny_checkpoint import bench_checkpoint_dir
 
         args.model = str(bench_checkpoint_dir())
-    max_model_len = (args.image_size // 28) ** 2 + 2 * args.input_len + args.output_len[1] + 64
+    max_model_len = max_model_len_for(args.image_size, args.input_len, args.output_len[1])
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_model_len=max_model_len, max_num_seqs=args.num_requests)
     startup = time.perf_counter() - start
     size = (args.image_size, args.image_size)
     workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
     folder = Path(tempfile.mkdtemp(prefix="vlmserve-vllm-"))
-    specs: list[dict[str, Any]] = []
-    requests: list[dict[str, Any]] = []
-    for r in workload:
-        text = _prompt_text(llm, r.prompt.prompt_token_ids)
-        name = f"image{r.index}.png"  # PNG: lossless, vLLM reads the same pixels
-        assert r.image is not None
-        r.image.save(folder / name)
-        specs.append({"text": text, "image": name, "output_len": r.output_len})
-        requests.append({"prompt": text, "multi_modal_data": {"image": r.image}})
-    lens = [s["output_len"] for s in specs]
-    (folder / "workload.json").write_text(
-        json.dumps(
-            {
-                "dtype": args.dtype,
-                "max_model_len": max_model_len,
-                "max_num_seqs": args.num_requests,
-                "single_tokens": args.single_tokens,
-                "requests": specs,
-            }
-        )
-    )
-    _vlmserve_generate(llm, requests[:2], [4, 4])  # warm-up
-    print("starting vLLM's worker (its start-up takes minutes)", flush=True)
-    worker = VllmWorker(args.vllm_python, args.model, folder)
-    rounds = []
-    try:
-        for round_index in range(args.rounds):
-            ours_wall, ours_tokens = _vlmserve_generate(llm, requests, lens)
-            theirs = worker.ask("workload")
-            first, _ = _vlmserve_generate(llm, requests[:1], [1])
-            full, _ = _vlmserve_generate(llm, requests[:1], [1 + args.single_tokens])
-            theirs_single = worker.ask("single")
-            ours_tps = sum(map(len, ours_tokens)) / ours_wall
-            theirs_tps = theirs["output_tokens"] / theirs["wall_s"]
-            ours_step = (full - first) / args.single_tokens
-            theirs_step = (theirs_single["full_s"] - theirs_single["first_s"]) / args.single_tokens
-            rounds.append(
+    try:  # the PNGs and workload.json are removed whatever happens
+        specs: list[dict[str, Any]] = []
+        requests: list[dict[str, Any]] = []
+        for r in workload:
+            text = _prompt_text(llm, r.prompt.prompt_token_ids)
+            name = f"image{r.index}.png"  # PNG: lossless, vLLM reads the same pixels
+            assert r.image is not None
+            r.image.save(folder / name)
+            specs.append({"text": text, "image": name, "output_len": r.output_len})
+            requests.append({"prompt": text, "multi_modal_data": {"image": r.image}})
+        lens = [s["output_len"] for s in specs]
+        (folder / "workload.json").write_text(
+            json.dumps(
                 {
-                    "round": round_index + 1,
-                    "vlmserve_tok_s": round(ours_tps, 2),
-                    "vllm_tok_s": round(theirs_tps, 2),
-                    "tok_s_x": round(ours_tps / theirs_tps, 2),
-                    "vlmserve_step_ms": round(ours_step * 1e3, 1),
-                    "vllm_step_ms": round(theirs_step * 1e3, 1),
-                    "step_x": round(theirs_step / ours_step, 2),
-                    "vlmserve_ttft_s": round(first, 3),
-                    "vllm_ttft_s": round(theirs_single["first_s"], 3),
-                    "identical_requests": sum(a == b for a, b in zip(ours_tokens, theirs["token_ids"], strict=True)),
+                    "dtype": args.dtype,
+                    "max_model_len": max_model_len,
+                    "max_num_seqs": args.num_requests,
+                    "single_tokens": args.single_tokens,
+                    "requests": specs,
                 }
             )
-            print(json.dumps(rounds[-1]), flush=True)
+        )
+        _vlmserve_generate(llm, requests[:2], [4, 4])  # warm-up
+        print("starting vLLM's worker (its start-up takes minutes)", flush=True)
+        worker = VllmWorker(args.vllm_python, args.model, folder)
+        rounds = []
+        try:
+            for round_index in range(args.rounds):
+                ours_wall, ours_tokens = _vlmserve_generate(llm, requests, lens)
+                theirs = worker.ask("workload")
+                first, _ = _vlmserve_generate(llm, requests[:1], [1])
+                full, _ = _vlmserve_generate(llm, requests[:1], [1 + args.single_tokens])
+                theirs_single = worker.ask("single")
+                ours_tps = sum(map(len, ours_tokens)) / ours_wall
+                theirs_tps = theirs["output_tokens"] / theirs["wall_s"]
+                ours_step = (full - first) / args.single_tokens
+                theirs_step = (theirs_single["full_s"] - theirs_single["first_s"]) / args.single_tokens
+                rounds.append(
+                    {
+                        "round": round_index + 1,
+                        "vlmserve_tok_s": round(ours_tps, 2),
+                        "vllm_tok_s": round(theirs_tps, 2),
+                        "tok_s_x": round(ours_tps / theirs_tps, 2),
+                        "vlmserve_step_ms": round(ours_step * 1e3, 1),
+                        "vllm_step_ms": round(theirs_step * 1e3, 1),
+                        "step_x": round(theirs_step / ours_step, 2),
+                        "vlmserve_ttft_s": round(first, 3),
+                        "vllm_ttft_s": round(theirs_single["first_s"], 3),
+                        "identical_requests": sum(map(operator.eq, ours_tokens, theirs["token_ids"])),
+                    }
+                )
+                print(json.dumps(rounds[-1]), flush=True)
+        finally:
+            worker.close()
     finally:
-        worker.close()
+        shutil.rmtree(folder, ignore_errors=True)
     ours_prompt_tokens = [r.prompt.num_tokens for r in workload]
     report = {
         "model": args.model,

@@ -52,3 +52,9 @@ def make_workload(
         messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": words}]}]
         requests.append(BenchRequest(i, llm.process_chat(messages), rng.randint(lo, hi), image_size, image))
     return requests
+
+
+def max_model_len_for(image_size: int, input_len: int, max_output: int) -> int:
+    """A context that holds a workload request: the image's tokens (one per 28x28 pixels), the
+    prompt's words (up to two tokens each), the output, and the chat template."""
+    return (image_size // 28) ** 2 + 2 * input_len + max_output + 64

@@ -90,8 +90,9 @@ def apply_rotary_qk(
     """apply_rotary on q [n, nq, D] and k [n, nk, D] (cos, sin in the activations' dtype). For bf16
     on the CPU one kernel rotates both in place (views of a fused qkv output may be passed: rows
     strided, heads contiguous)."""
-    if _rotary_kernel_applies(q, k, cos, sin, torch.bfloat16):
-        load_cpu_kernels().rotary_qk_(q, k, cos, sin)  # type: ignore[union-attr]
+    kernels = _rotary_kernels(q, k, cos, sin, torch.bfloat16)
+    if kernels is not None:
+        kernels.rotary_qk_(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -102,20 +103,22 @@ def apply_rotary_qk_fp32(
     """The vision towers' rotary (as the reference): q, k [n, heads, D] widened to fp32, rotated
     with fp32 cos, sin [n, D], rounded back to their dtype once. One kernel in place for bf16 on
     the CPU (torch's bf16 <-> fp32 copies alone took ~10 % of a Qwen2-VL-2B image encode)."""
-    if _rotary_kernel_applies(q, k, cos, sin, torch.float32):
-        load_cpu_kernels().rotary_qk_(q, k, cos, sin)  # type: ignore[union-attr]
+    kernels = _rotary_kernels(q, k, cos, sin, torch.float32)
+    if kernels is not None:
+        kernels.rotary_qk_(q, k, cos, sin)
         return q, k
     rotate = lambda x: (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)  # noqa: E731
     return rotate(q), rotate(k)
 
 
-def _rotary_kernel_applies(
+def _rotary_kernels(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos_dtype: torch.dtype
-) -> bool:
+) -> CpuKernels | None:
+    """The CPU kernels where their rotary applies to these tensors: bf16 q, k with contiguous heads,
+    cos and sin [n, D] contiguous in `cos_dtype` (the arithmetic the caller asks for)."""
     d = q.shape[-1]
-    return (
-        _cpu_bf16_kernels(q, k) is not None
-        and cos.dtype == sin.dtype == cos_dtype
+    applies = (
+        cos.dtype == sin.dtype == cos_dtype
         and cos.device.type == "cpu"
         and q.stride()[1:] == (d, 1)
         and k.stride()[1:] == (d, 1)
@@ -124,6 +127,7 @@ def _rotary_kernel_applies(
         and cos.shape == sin.shape == (q.shape[0], d)
         and d % 2 == 0
     )
+    return _cpu_bf16_kernels(q, k) if applies else None
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
