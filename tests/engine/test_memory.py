@@ -68,6 +68,27 @@ def test_meter_reset_forgets_an_earlier_peak_and_sees_a_later_temporary() -> Non
     assert meter.peak() - before >= 60 << 20
 
 
+def test_meter_sees_a_temporary_that_reuses_heap_memory_freed_earlier() -> None:
+    # What a long process (many engines, many tests) leaves: freeing a 30 MiB mmap'ed chunk makes
+    # glibc serve later large blocks from the heap, and eight freed 16 MiB blocks, each kept
+    # apart by a live 200 KiB one, stay resident inside it. A peak read as RSS growth without
+    # giving those pages back first saw 0 bytes of the 64 MiB below.
+    meter = PeakMeter(torch.device("cpu"))
+    mapped = torch.ones(30 << 20, dtype=torch.uint8)
+    del mapped
+    freed, pins = [], []
+    for _ in range(8):
+        freed.append(torch.ones(16 << 20, dtype=torch.uint8))
+        pins.append(torch.ones(200 << 10, dtype=torch.uint8))
+    del freed
+    meter.reset()
+    before = meter.current()
+    temporaries = [torch.ones(8 << 20, dtype=torch.uint8) for _ in range(8)]  # 64 MiB, touched
+    del temporaries
+    assert meter.peak() - before >= 60 << 20
+    assert len(pins) == 8
+
+
 @dataclass
 class ProfileRecord:
     """What building an engine measured: each value profile_run returned, and each vision

@@ -17,6 +17,9 @@ set aside before the KV cache is sized.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,8 +41,22 @@ def _proc_status_kib(field: str) -> int | None:
     return None
 
 
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc's malloc_trim), so that RSS counts
+    only memory in use. Without it, memory freed earlier in the process (an earlier engine, an
+    earlier test) stays resident inside the heap; a later allocation reuses it without growing
+    RSS, and a peak measured as RSS growth misses it (it read 0 bytes for a whole profile step)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 class PeakMeter:
-    """Peak memory of this process on one device, resettable."""
+    """Peak memory of this process on one device, resettable.
+
+    On the CPU it is the resident set: the kernel's high-water mark (VmHWM) since the last reset,
+    which the reset sets to the current RSS after the heap's free pages went back to the kernel."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -49,6 +66,7 @@ class PeakMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        _release_free_heap()
         with contextlib.suppress(OSError):  # Linux: "5" resets VmHWM to the current RSS
             Path("/proc/self/clear_refs").write_text("5")
 

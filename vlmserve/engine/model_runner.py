@@ -469,8 +469,8 @@ class ModelRunner:
             for state_layer in state_layers:
                 state_layer.bind(num_seqs, self.dtype, self.device)
             stateful = bool(state_layers)
+            meter.reset()  # first: it gives free heap pages back, which lowers the current RSS
             baseline = meter.current()
-            meter.reset()
             if dummy_items:
                 self.model.embed_multimodal(dummy_items)
             parts.update()
