@@ -58,9 +58,15 @@ static void linear_row(const uint16_t *xp, const int8_t *q, const float *scale, 
         for (int r = 0; r < NR1; r++) wr[r] = q + (n0 + (r < nr ? r : nr - 1)) * K;
         __m512 acc[NR1];
         for (int r = 0; r < NR1; r++) acc[r] = _mm512_setzero_ps();
+        /* the next NR1 weight rows requested into L2 meanwhile, a cache line of each per 64 k: the
+         * hardware prefetchers alone fetch only as far ahead as the loads run (cpu_linear_avx512.c,
+         * PREFETCH). [1, 1536] x [151936, 1536] int8 on the Zen 4 machine: 13.8 -> 8.6 ms. */
+        const int8_t *next = n0 + 2 * NR1 <= N ? q + (n0 + NR1) * K : NULL;
         for (int64_t k = 0; k < K; k += 32) {
             const __mmask64 mask = tail_mask(K, k);
             const __m512bh xv = load32(xp + k);
+            if (next && (k & 63) == 0)
+                for (int r = 0; r < NR1; r++) _mm_prefetch((const char *)(next + r * K + k), _MM_HINT_T1);
             for (int r = 0; r < NR1; r++) acc[r] = _mm512_dpbf16_ps(acc[r], widen32(wr[r] + k, mask), xv);
         }
         float s[4];
@@ -91,6 +97,8 @@ void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *sca
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+            if (n0 + 2 * NR <= N) /* the next tile's rows (contiguous) requested into L2 meanwhile */
+                for (int64_t off = 0; off < NR * K; off += 64) _mm_prefetch((const char *)(q + (n0 + NR) * K + off), _MM_HINT_T1);
             for (int r = 0; r < NR; r++) {
                 const int8_t *src = q + (n0 + (r < nr ? r : nr - 1)) * K;
                 for (int64_t k = 0; k < Kp; k += 32)
