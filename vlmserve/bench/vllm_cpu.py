@@ -21,7 +21,6 @@ import operator
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
+from vlmserve.bench.worker_process import WorkerProcess
 from vlmserve.bench.workload import make_workload, max_model_len_for
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
@@ -41,44 +41,6 @@ def _prompt_text(llm: LLM, token_ids: list[int]) -> str:
     pad = llm.llm_engine.model_config.image_token_id
     collapsed = [t for i, t in enumerate(token_ids) if t != pad or i == 0 or token_ids[i - 1] != pad]
     return llm.get_tokenizer().decode(collapsed, skip_special_tokens=False)
-
-
-class VllmWorker:
-    def __init__(self, python: str, model: str, folder: Path) -> None:
-        worker = Path(__file__).with_name("vllm_worker.py")
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen(
-            # -P: the worker's own folder (vlmserve/bench, whose kernels.py would shadow the
-            # `kernels` package transformers looks for) stays off sys.path
-            [python, "-P", str(worker), model, str(folder)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.ready = self._answer()
-
-    def _answer(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"the vLLM worker exited ({self.proc.wait()}) before answering")
-
-    def ask(self, command: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
 
 
 def _vlmserve_generate(llm: LLM, requests: list[dict[str, Any]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -126,7 +88,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         _vlmserve_generate(llm, requests[:2], [4, 4])  # warm-up
         print("starting vLLM's worker (its start-up takes minutes)", flush=True)
-        worker = VllmWorker(args.vllm_python, args.model, folder)
+        worker = WorkerProcess(
+            args.vllm_python,
+            "vllm_worker.py",
+            [args.model, str(folder)],
+            {"VLLM_CPU_KVCACHE_SPACE": "4"},  # GiB
+        )
         rounds = []
         try:
             for round_index in range(args.rounds):
