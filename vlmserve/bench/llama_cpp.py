@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.worker_process import WorkerProcess
+from vlmserve.bench.worker_process import WorkerProcess, round_medians
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
 
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "startup_s": {ours_name: round(startup, 2)}
         | {f"llama.cpp {name}": round(w.ready["startup_s"], 2) for name, w in workers.items()},
         "rounds": rounds,
-        "medians": {k: statistics.median(x[k] for x in rounds) for k in rounds[0] if k != "round"},
+        "medians": round_medians(rounds),
     }
     print(json.dumps(report, indent=2))
     return report

@@ -20,7 +20,6 @@ import json
 import operator
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.worker_process import WorkerProcess
+from vlmserve.bench.worker_process import WorkerProcess, round_medians
 from vlmserve.bench.workload import make_workload, max_model_len_for
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
@@ -133,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "startup_s": {"vlmserve": round(startup, 2), "vllm": round(worker.ready["startup_s"], 2)},
         "same_prompt_lengths": ours_prompt_tokens == theirs["prompt_tokens"],
         "rounds": rounds,
-        "medians": {k: statistics.median(x[k] for x in rounds) for k in rounds[0] if k != "round"},
+        "medians": round_medians(rounds),
     }
     print(json.dumps(report, indent=2))
     return report

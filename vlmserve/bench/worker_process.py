@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -46,3 +47,8 @@ class WorkerProcess:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=120)
+
+
+def round_medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Each numeric column's median over the rounds of a comparison (the round number left out)."""
+    return {k: statistics.median(row[k] for row in rounds) for k in rounds[0] if k != "round"}
