@@ -102,8 +102,8 @@ def forced_path() -> str | None:
 def table_choice(paths: Iterable[str], bucket: Bucket) -> str:
     """The choice without a measurement (on an AMD EPYC Zen 4, docs/benchmarks.md): the AVX-512
     kernel up to 32 rows (it requests the next weight rows ahead and streams them past 8 activation
-    rows at once: 1.0-2.6x torch's time at one row, 1.6x at 8, 1.0-1.2x at 32, on layers whose
-    weights do not fit in the caches), torch's oneDNN from 33 rows (its blocked GEMM is far ahead
+    rows at once: 2.6-4.4x faster than torch at one row, 1.6-1.7x at 8, 1.0-1.2x at 16-32, on
+    layers whose weights do not fit in the caches), torch's oneDNN from 33 rows (its blocked GEMM is far ahead
     from 64); on AVX2-only CPUs the AVX2 kernel at every size (torch's bf16 product there is a
     generic ~20 GFLOP/s kernel).
 
