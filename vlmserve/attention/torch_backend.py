@@ -58,17 +58,17 @@ class TorchAttentionBackend:
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
             out[start:end] = self._sdpa(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
-        if decode_rows and len(decode_rows) == q.shape[0] and self.decode_kernel is not None:
-            # Every token is its sequence's one new token (a decode step): no gathering.
-            decoded = self.decode_kernel(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+        if decode_rows and self.decode_kernel is not None:
+            if len(decode_rows) == q.shape[0]:
+                # A decode step: every token is its sequence's one new token, in order; no gathering.
+                token_index, rows_q, tables, lens = None, q, meta.block_tables, meta.seq_lens
+            else:
+                token_index = torch.tensor([meta.query_start_loc[i] for i in decode_rows], device=q.device)
+                rows_q, tables, lens = q[token_index], meta.block_tables[decode_rows], meta.seq_lens[decode_rows]
+            decoded = self.decode_kernel(rows_q, kv_cache, tables, lens, scale)
             if decoded is not None:
-                return decoded
-        elif decode_rows and self.decode_kernel is not None:
-            token_index = torch.tensor([meta.query_start_loc[i] for i in decode_rows], device=q.device)
-            decoded = self.decode_kernel(
-                q[token_index], kv_cache, meta.block_tables[decode_rows], meta.seq_lens[decode_rows], scale
-            )
-            if decoded is not None:
+                if token_index is None:
+                    return decoded
                 out[token_index] = decoded
                 return out
         # Longest first, so each group is padded to its own first (longest) sequence.

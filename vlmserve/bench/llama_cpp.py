@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.worker_process import WorkerProcess, round_medians
+from vlmserve.bench.worker_process import WorkerProcess, emit_report, round_medians
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
 
@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rounds,
         "medians": round_medians(rounds),
     }
-    print(json.dumps(report, indent=2))
     return report
 
 
@@ -114,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any("=" not in spec for spec in args.gguf):
         p.error("--gguf takes NAME=PATH")
-    report = run(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(run(args), args.out)
     return 0
 
 

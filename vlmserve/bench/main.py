@@ -60,7 +60,6 @@ def _ratio(a: float, b: float) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     if args.model is None:
         from vlmserve.tools.tiny_checkpoint import bench_checkpoint_dir
 
@@ -120,9 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print_table("workload", [ours.summary()], list(ours.summary()))
         print_table("one request alone", [alone.summary()], list(alone.summary()))
     else:
-        phases.begin("transformers: loading the model")
-        hf_model = load_hf_model(Path(engine.model_dir), dtype)
-        run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
+        hf_model = _load_transformers(args, llm, phases)
         phases.begin("transformers: probing batch sizes")
         best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
         phases.begin(f"transformers: the workload at batch size {best}")
@@ -181,11 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run_single(
     args: argparse.Namespace, llm: LLM, single: list[BenchRequest], report: dict[str, Any], phases: Phases
 ) -> dict[str, Any]:
-    hf_model = None
-    if not args.no_hf:
-        phases.begin("transformers: loading the model")
-        hf_model = load_hf_model(Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
-        run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)  # warm-up
+    hf_model = None if args.no_hf else _load_transformers(args, llm, phases)
     phases.begin(f"one request alone, {args.single_rounds} rounds")
     report["single"] = run_single(args, llm, hf_model, single)
     _print_linear_layers(report["linear_layers"])
@@ -193,14 +186,22 @@ def _run_single(
     return report
 
 
+def _load_transformers(args: argparse.Namespace, llm: LLM, phases: Phases) -> Any:
+    """transformers' model of the same checkpoint, warmed up on a small request."""
+    phases.begin("transformers: loading the model")
+    hf_model = load_hf_model(Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
+    run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)
+    return hf_model
+
+
 def _write(report: dict[str, Any], out: Path, plot: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = [out / "bench.json"]
+    written[0].write_text(json.dumps(report, indent=2) + "\n")
     if plot:
-        _plot(report, out / "bench.png")
-        print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
-    else:
-        print(f"\nwrote {out / 'bench.json'}")
+        written.append(out / "bench.png")
+        _plot(report, written[1])
+    print("\nwrote " + " and ".join(map(str, written)))
 
 
 def _print_linear_layers(linear: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.worker_process import WorkerProcess, round_medians
+from vlmserve.bench.worker_process import WorkerProcess, emit_report, round_medians
 from vlmserve.bench.workload import make_workload, max_model_len_for
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
@@ -134,7 +134,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rounds,
         "medians": round_medians(rounds),
     }
-    print(json.dumps(report, indent=2))
     return report
 
 
@@ -157,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the report's JSON here")
     args = p.parse_args(argv)
-    report = run(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(run(args), args.out)
     return 0
 
 

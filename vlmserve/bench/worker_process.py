@@ -49,6 +49,14 @@ class WorkerProcess:
             self.proc.wait(timeout=120)
 
 
+def emit_report(report: dict[str, Any], out: Path | None) -> None:
+    """A comparison's report: printed as JSON, and written to `out` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 def round_medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
     """Each numeric column's median over the rounds of a comparison (the round number left out)."""
     return {k: statistics.median(row[k] for row in rounds) for k in rounds[0] if k != "round"}

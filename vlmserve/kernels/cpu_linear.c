@@ -217,6 +217,12 @@ static inline __m256 load8(const void *base, int64_t i, int bf16) {
 
 #define CHUNK 32 /* tokens whose scores are computed before the softmax state is updated once */
 
+/* One cache row of head_dim elements (at element offset `at`) widened to fp32 into row_f. */
+static inline void widen_row(float *row_f, const void *cache, int64_t at, int64_t head_dim, int64_t d8, int bf16) {
+    for (int64_t d = 0; d < d8; d += 8) _mm256_storeu_ps(row_f + d, load8(cache, at + d, bf16));
+    for (int64_t d = d8; d < head_dim; d++) row_f[d] = load1(cache, at + d, bf16);
+}
+
 static void decode_attention(const void *q, const void *cache, const int64_t *block_tables, const int64_t *seq_lens,
                              void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int bf16) {
@@ -224,6 +230,7 @@ static void decode_attention(const void *q, const void *cache, const int64_t *bl
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * token_stride;
     const int64_t d8 = head_dim & ~(int64_t)7;
+    const int64_t elem = bf16 ? 2 : 4, row_bytes = head_dim * elem;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
@@ -244,13 +251,12 @@ static void decode_attention(const void *q, const void *cache, const int64_t *bl
             for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
                 const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
                 /* the chunk's K and V rows requested at once (they lie in blocks anywhere in the cache) */
-                const int64_t row_bytes = head_dim * (bf16 ? 2 : 4);
                 for (int64_t j = 0; j < n; j++) {
                     const int64_t t = t0 + j;
                     const int64_t block = block_tables[s * max_blocks + t / block_size];
                     rows[j] = ((block * block_size) + t % block_size) * token_stride + kvh * head_dim;
-                    const char *k_row = (const char *)cache + rows[j] * (bf16 ? 2 : 4);
-                    const char *v_row = k_row + v_offset * (bf16 ? 2 : 4);
+                    const char *k_row = (const char *)cache + rows[j] * elem;
+                    const char *v_row = k_row + v_offset * elem;
                     for (int64_t b = 0; b < row_bytes; b += 64) {
                         _mm_prefetch(k_row + b, _MM_HINT_T0);
                         _mm_prefetch(v_row + b, _MM_HINT_T1);
@@ -258,8 +264,7 @@ static void decode_attention(const void *q, const void *cache, const int64_t *bl
                 }
                 /* scores of the chunk's tokens for every head of the group */
                 for (int64_t j = 0; j < n; j++) {
-                    for (int64_t d = 0; d < d8; d += 8) _mm256_storeu_ps(row_f + d, load8(cache, rows[j] + d, bf16));
-                    for (int64_t d = d8; d < head_dim; d++) row_f[d] = load1(cache, rows[j] + d, bf16);
+                    widen_row(row_f, cache, rows[j], head_dim, d8, bf16);
                     for (int64_t g = 0; g < group; g++) {
                         __m256 dot = _mm256_setzero_ps();
                         for (int64_t d = 0; d < d8; d += 8)
@@ -290,9 +295,7 @@ static void decode_attention(const void *q, const void *cache, const int64_t *bl
                 }
                 /* acc += p V, each V row widened once */
                 for (int64_t j = 0; j < n; j++) {
-                    for (int64_t d = 0; d < d8; d += 8)
-                        _mm256_storeu_ps(row_f + d, load8(cache, v_offset + rows[j] + d, bf16));
-                    for (int64_t d = d8; d < head_dim; d++) row_f[d] = load1(cache, v_offset + rows[j] + d, bf16);
+                    widen_row(row_f, cache, v_offset + rows[j], head_dim, d8, bf16);
                     for (int64_t g = 0; g < group; g++) {
                         const __m256 p8 = _mm256_set1_ps(p[g][j]);
                         for (int64_t d = 0; d < d8; d += 8) {
