@@ -14,6 +14,7 @@ from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
 from vlmserve.model_files import count_weights, iterate_weights
 from vlmserve.models.base import VLModel
+from vlmserve.models.huge_pages import move_to_huge_pages
 from vlmserve.models.layers import bind_linear_op, linear_shapes
 from vlmserve.models.quant import read_packed_config, resolve_quantization
 from vlmserve.models.quant.packed import dequantize_weights
@@ -68,6 +69,8 @@ def build_model(
             len(names),
             kernel.describe() if kernel is not None else "dequantize per call",
         )
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model)))
     model.eval()
     model.requires_grad_(False)
