@@ -106,6 +106,10 @@ def test_avx512_int8_kernel_matches_the_float_product_of_dequantized_weights(n: 
             want = expected if b is not None else expected - bias.double()
             assert got.dtype == torch.float32 and got.shape == (m, n)
             assert ((got.double() - want).abs() <= bound).all()
+            # bf16 out: the same fp32 results, each rounded once as torch rounds them
+            rounded = avx512.linear(xb, q, scale, b, out_dtype=torch.bfloat16)
+            assert rounded.dtype == torch.bfloat16
+            assert torch.equal(rounded, got.bfloat16())
 
 
 @needs_avx512
@@ -122,9 +126,16 @@ class FakePath:
     def __init__(self, name: str, calls: list[tuple[str, torch.dtype]]) -> None:
         self.name, self.calls = name, calls
 
-    def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        b: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
         self.calls.append((self.name, x.dtype))
-        return torch.zeros(x.shape[0], q.shape[0])
+        return torch.zeros(x.shape[0], q.shape[0], dtype=out_dtype)
 
 
 def test_int8_linear_takes_avx512_for_bf16_and_avx2_for_fp32_activations() -> None:

@@ -2,8 +2,10 @@
  * Weight-only int8 linear layers for decode on x86-64 CPUs with AVX-512 BF16, bf16 activations:
  * built as its own shared object with its own -m flags (kernels/int8.py), like cpu_linear_avx512.c.
  *
- * y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ b[N]); x bf16 (uint16_t); q int8; scale, b, y
- * fp32; row-major contiguous. With several activation rows each int8 weight is widened to bf16,
+ * y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ b[N]); x bf16 (uint16_t); q int8; scale, b
+ * fp32; y fp32, or bf16 (out_bf16: each fp32 result rounded once to nearest even, as torch's
+ * .to(bfloat16) rounds it; one call instead of a conversion op per layer: ~1 ms of a 2B int8
+ * decode step); row-major contiguous. With several activation rows each int8 weight is widened to bf16,
  * which holds every integer in [-128, 127] exactly, and multiplied with vdpbf16ps (exact bf16
  * products, fp32 sums); with one row (linear_row) it is widened to fp32 and multiplied with FMAs
  * against the activations widened to fp32. Either way the same values cpu_int8.c computes from
@@ -31,6 +33,19 @@ static inline __m512bh widen32(const int8_t *p, __mmask64 mask) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(v)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void store(void *y, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
 }
 
 static inline __m512bh load32(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
@@ -65,8 +80,8 @@ static inline __m512 bf16x16_f32(const uint16_t *p) {
  * memory does not hide it): 0.363 -> 0.281 ms, i.e. 38 -> 49 GB/s of int8 weights, above what
  * its memory delivers most of the time (33-35 GB/s, bursts to 60). Products are exact either way
  * (int8 x bf16 fits fp32); the sums run in fp32 in another order. */
-static void linear_row(const uint16_t *xp, const int8_t *q, const float *scale, const float *b, float *y, int64_t N,
-                       int64_t K) {
+static void linear_row(const uint16_t *xp, const int8_t *q, const float *scale, const float *b, void *y, int64_t N,
+                       int64_t K, int bf16) {
     const int64_t kfull = K & ~(int64_t)31;
     const int64_t tiles = (N + NR1 - 1) / NR1;
 #pragma omp parallel for schedule(static)
@@ -97,12 +112,13 @@ static void linear_row(const uint16_t *xp, const int8_t *q, const float *scale, 
         }
         float s[4];
         _mm_storeu_ps(s, reduce4(acc[0], acc[1], acc[2], acc[3]));
-        for (int r = 0; r < nr; r++) y[n0 + r] = s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f);
+        for (int r = 0; r < nr; r++) store(y, n0 + r, s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f), bf16);
     }
 }
 
-void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *scale, const float *b, float *y,
-                            int64_t M, int64_t N, int64_t K) {
+void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *scale, const float *b, void *y,
+                            int64_t M, int64_t N, int64_t K, int64_t out_bf16) {
+    const int bf16 = (int)out_bf16;
     if (M <= 0 || N <= 0) return;
     const int64_t Kp = (K + 31) & ~(int64_t)31;
     const int64_t Mp = (M + MR - 1) / MR * MR;
@@ -110,7 +126,7 @@ void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *sca
     memset(xp, 0, (size_t)(Mp * Kp * sizeof(uint16_t)));
     for (int64_t m = 0; m < M; m++) memcpy(xp + m * Kp, x + m * K, (size_t)(K * sizeof(uint16_t)));
     if (M == 1) {
-        linear_row(xp, q, scale, b, y, N, K);
+        linear_row(xp, q, scale, b, y, N, K, bf16);
         free(xp);
         return;
     }
@@ -147,7 +163,7 @@ void vlm_linear_int8_avx512(const uint16_t *x, const int8_t *q, const float *sca
                     float s[4];
                     _mm_storeu_ps(s, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
                     for (int r = 0; r < nr; r++)
-                        y[(m0 + m) * N + n0 + r] = s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f);
+                        store(y, (m0 + m) * N + n0 + r, s[r] * scale[n0 + r] + (b ? b[n0 + r] : 0.0f), bf16);
                 }
             }
         }

@@ -52,15 +52,22 @@ DEQUANT_ROWS = 4096
 
 
 def _int8_product(
-    fn: Any, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    fn: Any,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Call one of the C int8 products (same signature in both kernels): [M, K] x [N, K] -> [M, N] fp32."""
+    """Call one of the C int8 products (same leading arguments in both kernels): [M, K] x [N, K] ->
+    [M, N] fp32, or out_dtype (passed on as the AVX-512 kernel's last argument, bf16 or not)."""
     m, k = x.shape
     n = qweight.shape[0]
     x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=out_dtype or torch.float32)
     bias_ptr = 0 if bias is None else bias.data_ptr()
-    fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), bias_ptr, y.data_ptr(), m, n, k)
+    flag = () if out_dtype is None else (int(out_dtype == torch.bfloat16),)
+    fn(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, *flag)
     return y
 
 
@@ -70,20 +77,27 @@ class Int8Avx512Kernel:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))  # loaded after torch: shares its OpenMP pool
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.vlm_linear_int8_avx512.argtypes = [p, p, p, p, p, i64, i64, i64]
+        lib.vlm_linear_int8_avx512.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
         lib.vlm_linear_int8_avx512.restype = None
         self._lib = lib
         self.path = library
 
     def linear(
-        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias [N] fp32 -> [M, N] fp32."""
+        """x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias [N] fp32 -> [M, N] fp32, or
+        bf16 (the fp32 result rounded once, as .to(torch.bfloat16) rounds it)."""
         k = x.shape[1]
         n = qweight.shape[0]
         assert x.dtype == torch.bfloat16 and qweight.shape == (n, k) and qweight.dtype == torch.int8
         assert qweight.is_contiguous() and scales.dtype == torch.float32 and scales.shape == (n,)
-        return _int8_product(self._lib.vlm_linear_int8_avx512, x, qweight, scales, bias)
+        assert out_dtype in (torch.float32, torch.bfloat16)
+        return _int8_product(self._lib.vlm_linear_int8_avx512, x, qweight, scales, bias, out_dtype)
 
 
 class Int8Kernel:
@@ -183,10 +197,10 @@ def int8_linear(
     if kernel is not None and kernel.decode and x.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
         b = None if bias is None else bias.float()
         if kernel.avx512 is not None and x2.dtype == torch.bfloat16:
-            out = kernel.avx512.linear(x2, qweight, scales, b)
+            out = kernel.avx512.linear(x2, qweight, scales, b, out_dtype=torch.bfloat16)
         else:
-            out = kernel.linear(x2.float(), qweight, scales, b)
-        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+            out = kernel.linear(x2.float(), qweight, scales, b).to(x.dtype)
+        return out.reshape(*x.shape[:-1], n)
     # NOTE: dequantized DEQUANT_ROWS output channels at a time, so a vocabulary-sized lm_head
     # never holds a full-precision copy (151936 x 1536 in bf16 would be 0.47 GB).
     if n <= DEQUANT_ROWS:
