@@ -7,6 +7,7 @@ back, and the fallback attention path run everywhere."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import logging
 import math
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import torch.nn.functional as F
 
@@ -386,3 +388,14 @@ def test_no_kernels_when_the_built_library_does_not_load(
     with caplog.at_level(logging.WARNING, logger="vlmserve.kernels.cpu"):
         assert load_cpu_kernels() is None
     assert "loading the CPU kernels failed" in caplog.text
+
+
+def test_the_kernel_sources_ship_in_the_package() -> None:
+    """The C sources (and their header) are compiled on first use, so a wheel must carry them:
+    without them a non-editable install silently falls back to torch's paths."""
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = patterns.get("vlmserve.kernels", [])
+    sources = [p.name for p in (root / "vlmserve" / "kernels").iterdir() if p.suffix in (".c", ".h")]
+    assert {"cpu_linear.c", "cpu_linear_avx512.c", "cpu_int8.c", "cpu_int8_avx512.c", "bf16.h"} <= set(sources)
+    assert all(any(fnmatch.fnmatch(name, p) for p in shipped) for name in sources), (sources, shipped)

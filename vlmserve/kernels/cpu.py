@@ -66,7 +66,9 @@ def _build(source: Path, flags: list[str] = FLAGS) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    # the headers beside the sources (bf16.h) are part of what is built
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target

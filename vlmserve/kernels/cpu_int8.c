@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "bf16.h"
 
 #define NR 4 /* weight rows per tile */
 #define MR 2 /* activation rows per pass over a tile (NR x MR accumulators + NR weights: 12 of 16 ymm) */
@@ -144,14 +145,6 @@ void vlm_linear_int8(const float *x, const int8_t *q, const float *scale, const 
 /* Dequantize (prefill): out[n, k] = q[n, k] * scale[n], as fp32 (bf16 = 0) or rounded once to
  * bf16 (bf16 = 1, round to nearest even), at memory speed (torch's int8 -> float conversions run at
  * a fraction of it here). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 void vlm_dequant_int8(const int8_t *q, const float *scale, void *out, int64_t N, int64_t K, int64_t bf16) {
     const int64_t k8 = K & ~(int64_t)7;
 #pragma omp parallel for schedule(static)

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 
 #define NR 4  /* weight rows per tile */
 #define MR 4  /* activation rows per tile: 16 accumulators */
@@ -33,14 +34,6 @@ static inline __m512bh widen32(const int8_t *p, __mmask64 mask) {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(v)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
 }
 
 static inline void store(void *y, int64_t i, float v, int bf16) {

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 
 #define NR 4 /* weight rows per tile */
 #define MR 2 /* activation rows per tile */
@@ -26,21 +27,6 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     /* bf16 -> fp32 is exact: the 16 bits become the top half of the float. */
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
 }
 
 static inline float hsum(__m256 v) {

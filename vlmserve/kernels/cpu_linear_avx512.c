@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 
 /* A tile: NR weight rows x MR activation rows, NR * MR accumulators (of the 32 registers; a
  * multiple of 4, reduced four at a time). 3 x 8 against 4 x 4 on the Zen 4 machine (2 threads,
@@ -43,21 +44,6 @@ _Static_assert(NR * MR % 4 == 0 && NR * MR + NR + 1 <= 32, "tile: accumulators i
  * before -> after): [1, 1536] x [151936, 1536] 12.9 -> 10.6; 2 rows 20.9 -> 12.8; 8 rows
  * 27.0 -> 21.8; 16 rows 36.8 -> 31.5; 32 rows 57.3 -> 51.8 (torch's oneDNN: 55.4 at 32 rows).
  */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline __m512bh load32(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 
