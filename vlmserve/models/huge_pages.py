@@ -92,7 +92,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
             for tensor in tensors:
                 # the same view (offset, shape, strides, in elements) of the memory's new place
                 first = offset // tensor.element_size() + tensor.storage_offset()
-                moved = torch.empty(0, dtype=tensor.dtype).set_(whole.untyped_storage(), first, tensor.size(), tensor.stride())
+                moved = torch.empty(0, dtype=tensor.dtype).set_(
+                    whole.untyped_storage(), first, tensor.size(), tensor.stride()
+                )
                 tensor.data = moved
             offset += -(-nbytes // _ALIGN) * _ALIGN
     logger.info(
