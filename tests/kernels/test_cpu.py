@@ -45,6 +45,8 @@ kernels = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(
     kernels is None, reason=f"no compiled CPU kernels: {CANNOT_BUILD or 'the build failed (see the build test)'}"
 )
+avx512 = cpu.load_avx512_kernels()
+needs_avx512 = pytest.mark.skipif(avx512 is None, reason="this CPU has no AVX-512 BF16 (or the kernel did not build)")
 
 
 def test_kernels_build_where_the_cpu_and_a_compiler_allow() -> None:
@@ -190,6 +192,64 @@ def test_bf16_decode_attention_matches_fp64_reference_rounded_once(
     assert (out == reference.bfloat16()).double().mean() > 0.99
     # One token: its value, exactly.
     assert torch.equal(out[0], cache[1, tables[0, 0], 0].repeat_interleave(num_heads // num_kv_heads, dim=0))
+
+
+@needs_avx512
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), DECODE_SHAPES)
+def test_avx512_bf16_decode_attention_matches_fp64_reference_rounded_once(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The same contract as the AVX2 kernel's (above), where it applies (head_dim a multiple of 32)."""
+    assert avx512 is not None
+    cache, tables = paged_cache(SEQ_LENS, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=head_dim)
+    g = torch.Generator().manual_seed(num_heads)
+    q = (2 * torch.randn(len(SEQ_LENS), num_heads, head_dim, generator=g)).bfloat16()
+    scale = head_dim**-0.5
+    out = avx512.decode_attention(q, cache, tables, torch.tensor(SEQ_LENS), scale)
+    if head_dim % 32:
+        assert out is None  # declined: the AVX2 kernel takes it
+        return
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    reference, fp32_error = reference_decode(q, cache, tables, SEQ_LENS, scale)
+    error = (out.double() - reference).abs()
+    assert (error <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
+    assert (out == reference.bfloat16()).double().mean() > 0.99
+    assert torch.equal(out[0], cache[1, tables[0, 0], 0].repeat_interleave(num_heads // num_kv_heads, dim=0))
+    # a longer context: several chunks of 32 tokens, the softmax rescaled between them
+    lens = [1000, 33, 64]
+    cache, tables = paged_cache(lens, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=1)
+    q = (2 * torch.randn(len(lens), num_heads, head_dim, generator=g)).bfloat16()
+    out = avx512.decode_attention(q, cache, tables, torch.tensor(lens), scale)
+    assert out is not None
+    reference, fp32_error = reference_decode(q, cache, tables, lens, scale)
+    assert ((out.double() - reference).abs() <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
+    assert avx512.decode_attention(q.float(), cache.float(), tables, torch.tensor(lens), scale) is None  # bf16 only
+
+
+def test_the_backend_decodes_with_avx512_unless_the_avx2_path_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def decode_attention(self, *args: object) -> None:
+            calls.append(self.name)  # and declines (None)
+
+    monkeypatch.setattr(cpu, "load_cpu_kernels", lambda: Fake("avx2"))
+    monkeypatch.setattr(cpu, "load_avx512_kernels", lambda: Fake("avx512"))
+    args = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0)
+    for path, expected in ((None, ["avx512", "avx2"]), ("avx512", ["avx512", "avx2"]), ("avx2", ["avx2"])):
+        if path is None:
+            monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
+        else:
+            monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
+        backend = select_backend(torch.device("cpu"))
+        assert isinstance(backend, TorchAttentionBackend) and backend.decode_kernel is not None
+        calls.clear()
+        assert backend.decode_kernel(*args) is None  # type: ignore[arg-type]
+        # the AVX-512 kernel is asked first; where it declines the AVX2 one runs
+        assert calls == expected, path
 
 
 @needs_kernels

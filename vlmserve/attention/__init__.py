@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.attention.torch_backend import TorchAttentionBackend
+from vlmserve.attention.torch_backend import DecodeKernel, TorchAttentionBackend
 
 
 class AttentionBackend(Protocol):
@@ -52,13 +52,32 @@ def select_backend(device: torch.device, name: str = "auto", decode_workspace_to
         from vlmserve.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    decode_kernel = None
-    if device.type == "cpu":
-        from vlmserve.kernels.cpu import load_cpu_kernels
-
-        kernels = load_cpu_kernels()
-        decode_kernel = kernels.decode_attention if kernels is not None else None
+    decode_kernel = _cpu_decode_kernel() if device.type == "cpu" else None
     return TorchAttentionBackend(decode_workspace_tokens, decode_kernel)
+
+
+def _cpu_decode_kernel() -> DecodeKernel | None:
+    """The vlmserve decode attention kernel for this CPU: the AVX-512 BF16 one where the CPU has it
+    and it applies (bf16, head_dim a multiple of 32), unless VLMSERVE_CPU_PATH forces the avx2 or
+    torch path; the AVX2 one otherwise; None where the kernels do not build."""
+    from vlmserve.kernels.cpu import load_avx512_kernels, load_cpu_kernels
+    from vlmserve.kernels.dispatch import forced_path
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return None
+    avx512 = load_avx512_kernels() if forced_path() in (None, "avx512") else None
+    if avx512 is None:
+        return kernels.decode_attention
+    fast, general = avx512.decode_attention, kernels.decode_attention
+
+    def decode(
+        q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        out = fast(q, kv_cache, tables, lens, scale)
+        return out if out is not None else general(q, kv_cache, tables, lens, scale)
+
+    return decode
 
 
 def _triton_installed() -> bool:

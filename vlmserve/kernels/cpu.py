@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,6 +104,41 @@ def decode_kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
+def _decode_attention(
+    fn: Any,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *extra: int,
+) -> torch.Tensor:
+    """Call one of the C decode attention kernels (same leading arguments; `extra` after them)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    q = q.contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    fn(
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        *extra,
+    )
+    return out
+
+
 class CpuKernels:
     def __init__(self, library: Path) -> None:
         # NOTE: loaded after torch, so its OpenMP dependency binds to torch's libgomp.so.1:
@@ -151,29 +187,9 @@ class CpuKernels:
         """One query token per sequence over its paged KV; None where the kernel does not apply."""
         if not decode_kernel_applies(q, kv_cache):
             return None
-        num_seqs, num_heads, head_dim = q.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        q = q.contiguous()
-        block_tables = block_tables.to(torch.int64).contiguous()
-        seq_lens = seq_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
-        self._lib.vlm_decode_attention(
-            q.data_ptr(),
-            kv_cache.data_ptr(),
-            block_tables.data_ptr(),
-            seq_lens.data_ptr(),
-            out.data_ptr(),
-            num_seqs,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            num_blocks,
-            block_size,
-            block_tables.shape[1],
-            scale,
-            int(q.dtype == torch.bfloat16),
+        return _decode_attention(
+            self._lib.vlm_decode_attention, q, kv_cache, block_tables, seq_lens, scale, int(q.dtype == torch.bfloat16)
         )
-        return out
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -227,6 +243,8 @@ class Avx512Kernels:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.vlm_linear_bf16_avx512.argtypes = [p, p, p, p, i64, i64, i64]
         lib.vlm_linear_bf16_avx512.restype = None
+        lib.vlm_decode_attention_avx512.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        lib.vlm_decode_attention_avx512.restype = None
         self._lib = lib
         self.path = library
 
@@ -241,6 +259,22 @@ class Avx512Kernels:
             x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x2.shape[0], n, k
         )
         return y.reshape(*x.shape[:-1], n)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads, head_dim] bf16
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] bf16
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64
+        scale: float,
+    ) -> torch.Tensor | None:
+        """CpuKernels.decode_attention with bf16 dot products (cpu_linear_avx512.c), for bf16 and a
+        head_dim that is a multiple of 32; None where it does not apply. 32 sequences x 450 tokens
+        (random block tables), 12 heads, 2 KV heads, head_dim 128, 2 threads on the Zen 4 machine:
+        1.30 ms against the AVX2 kernel's 1.85 (outputs equal but for 0.02 % one bf16 step apart)."""
+        if q.dtype != torch.bfloat16 or q.shape[-1] % 32 or not decode_kernel_applies(q, kv_cache):
+            return None
+        return _decode_attention(self._lib.vlm_decode_attention_avx512, q, kv_cache, block_tables, seq_lens, scale)
 
 
 @cache

@@ -178,3 +178,131 @@ void vlm_linear_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t
     }
     free(xp);
 }
+
+/*
+ * Paged decode attention, bf16, with AVX-512 BF16: the same contract as vlm_decode_attention in
+ * cpu_linear.c (one query token per sequence over its seq_len cached tokens, read in place by
+ * block table; online softmax in fp32, chunks of ATT_CHUNK tokens; query head h reads KV head
+ * h / group), for head_dim a multiple of 32 (<= ATT_MAX_DIM) and bf16 throughout. What differs:
+ * - scores: each K row is read as bf16 and multiplied with the group's unscaled bf16 query rows by
+ *   vdpbf16ps (exact products, fp32 sums), times `scale` once in fp32 (the AVX2 kernel scales the
+ *   query in fp32 first and widens every K row);
+ * - the weighted sum: the chunk's V rows are widened to fp32 once, then each head adds its weights
+ *   times them 32 elements at a time with its sums in registers across the chunk (the AVX2 kernel
+ *   loads and stores every head's sums per token).
+ * Measured on the Zen 4 machine (2 threads, 32 sequences x 450 tokens, 12 heads, 2 KV heads,
+ * head_dim 128, through ctypes): 1.30 ms, the AVX2 kernel 1.85 ms. (The sums across a chunk were
+ * first one chain per 16 lanes: FMA latency made that slower than the AVX2 kernel, 3.6 ms.)
+ */
+#include <math.h>
+
+#define ATT_CHUNK 32
+#define ATT_MAX_GROUP 16
+#define ATT_MAX_DIM 256
+
+void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const int64_t *block_tables,
+                                 const int64_t *seq_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                 int64_t max_blocks, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t v_offset = num_blocks * block_size * token_stride;
+    const int64_t row_bytes = head_dim * 2;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+            float acc[ATT_MAX_GROUP][ATT_MAX_DIM] __attribute__((aligned(64)));
+            float vf[ATT_CHUNK][ATT_MAX_DIM] __attribute__((aligned(64)));
+            float p[ATT_MAX_GROUP][ATT_CHUNK], m[ATT_MAX_GROUP], l[ATT_MAX_GROUP], corr[ATT_MAX_GROUP];
+            int64_t rows[ATT_CHUNK];
+            const uint16_t *qs = q + (s * num_heads + kvh * group) * head_dim; /* the group's rows */
+            for (int64_t g = 0; g < group; g++) {
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+            }
+            const int64_t len = seq_lens[s];
+            for (int64_t t0 = 0; t0 < len; t0 += ATT_CHUNK) {
+                const int64_t n = len - t0 < ATT_CHUNK ? len - t0 : ATT_CHUNK;
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t t = t0 + j;
+                    const int64_t block = block_tables[s * max_blocks + t / block_size];
+                    rows[j] = ((block * block_size) + t % block_size) * token_stride + kvh * head_dim;
+                    const char *k_row = (const char *)(cache + rows[j]);
+                    const char *v_row = (const char *)(cache + v_offset + rows[j]);
+                    for (int64_t b = 0; b < row_bytes; b += 64) {
+                        _mm_prefetch(k_row + b, _MM_HINT_T0);
+                        _mm_prefetch(v_row + b, _MM_HINT_T1);
+                    }
+                }
+                /* scores: every head of the group against each K row, read once as bf16; four
+                 * heads at a time (independent sums, reduced together) */
+                for (int64_t j = 0; j < n; j++) {
+                    const uint16_t *k_row = cache + rows[j];
+                    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                        __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                        const int64_t ng = group - g0 < 4 ? group - g0 : 4;
+                        for (int64_t d = 0; d < head_dim; d += 32) {
+                            const __m512bh kv = load32(k_row + d);
+                            for (int64_t i = 0; i < ng; i++)
+                                dot[i] = _mm512_dpbf16_ps(dot[i], load32(qs + (g0 + i) * head_dim + d), kv);
+                        }
+                        float four[4];
+                        _mm_storeu_ps(four, reduce4(dot[0], dot[1], dot[2], dot[3]));
+                        for (int64_t i = 0; i < ng; i++) p[g0 + i][j] = four[i] * scale;
+                    }
+                }
+                /* online softmax, once per chunk; the rescaling of the sums is applied below */
+                for (int64_t g = 0; g < group; g++) {
+                    float m_new = m[g];
+                    for (int64_t j = 0; j < n; j++) m_new = p[g][j] > m_new ? p[g][j] : m_new;
+                    corr[g] = expf(m[g] - m_new);
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < n; j++) {
+                        p[g][j] = expf(p[g][j] - m_new);
+                        sum += p[g][j];
+                    }
+                    l[g] = l[g] * corr[g] + sum;
+                    m[g] = m_new;
+                }
+                /* the chunk's V rows widened to fp32 once */
+                for (int64_t j = 0; j < n; j++) {
+                    const uint16_t *v_row = cache + v_offset + rows[j];
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        _mm512_store_ps(vf[j] + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v_row + d))), 16)));
+                }
+                /* acc = acc * correction + p V, 32 elements of a head at a time held in registers,
+                 * tokens four ways apart (eight independent sums: FMA latency, not a chain) */
+                for (int64_t g = 0; g < group; g++) {
+                    const __m512 c = _mm512_set1_ps(corr[g]);
+                    for (int64_t d = 0; d < head_dim; d += 32) {
+                        __m512 lo[4], hi[4];
+                        lo[0] = _mm512_mul_ps(_mm512_load_ps(acc[g] + d), c);
+                        hi[0] = _mm512_mul_ps(_mm512_load_ps(acc[g] + d + 16), c);
+                        for (int i = 1; i < 4; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+                        int64_t j = 0;
+                        for (; j + 4 <= n; j += 4)
+                            for (int i = 0; i < 4; i++) {
+                                const __m512 pj = _mm512_set1_ps(p[g][j + i]);
+                                lo[i] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j + i] + d), lo[i]);
+                                hi[i] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j + i] + d + 16), hi[i]);
+                            }
+                        for (; j < n; j++) {
+                            const __m512 pj = _mm512_set1_ps(p[g][j]);
+                            lo[0] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + d), lo[0]);
+                            hi[0] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + d + 16), hi[0]);
+                        }
+                        _mm512_store_ps(acc[g] + d, _mm512_add_ps(_mm512_add_ps(lo[0], lo[1]), _mm512_add_ps(lo[2], lo[3])));
+                        _mm512_store_ps(acc[g] + d + 16, _mm512_add_ps(_mm512_add_ps(hi[0], hi[1]), _mm512_add_ps(hi[2], hi[3])));
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                uint16_t *o = out + (s * num_heads + kvh * group + g) * head_dim;
+                const float inv = 1.0f / l[g];
+                for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[g][d] * inv);
+            }
+        }
+    }
+}
