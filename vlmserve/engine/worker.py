@@ -17,9 +17,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import torch
@@ -282,7 +283,7 @@ def rank_device(device_type: str, local_rank: int, first_device: int = 0) -> tor
     return torch.device("cuda", first_device + local_rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> None:
+def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> NoReturn:
     """A rank's process: join the group, build the model, then serve calls until Shutdown.
     Rank 0 reads them from `conn` (the engine core's end of the pipe) and answers there."""
     if spec.parent_pid:
@@ -316,6 +317,17 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | No
         os._exit(1)  # the engine core sees it and stops the other ranks
     with contextlib.suppress(Exception):  # the other ranks are leaving too
         destroy_tensor_parallel()
+    # The rank's process ends here, without the interpreter's finalization: where the group could
+    # not be torn down (node 0 already gone), gloo's threads are still alive then and their C++
+    # destructors abort the process ("terminate called without an active exception", SIGABRT),
+    # turning a clean shutdown into a failed exit (seen once in CI: `vlmserve worker` exited -6
+    # after its tokens were right). worker_main always runs in a process of its own: a spawned
+    # rank, or `vlmserve worker` itself.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _serve(worker: Worker, conn: multiprocessing.connection.Connection | None) -> None:
@@ -365,7 +377,8 @@ def run_node(
     device_type: str,
 ) -> int:
     """`vlmserve worker`: this machine's ranks of an engine whose core runs on node 0. Returns
-    when they end (the engine shut down, or a rank died: the others are stopped then)."""
+    when they end (the engine shut down, or a rank died: the others are stopped then); with one
+    rank here, this process is that rank and exits with it (worker_main)."""
     local = tensor_parallel_size // nnodes
     threads = max(1, torch.get_num_threads() // local)
     specs = [
@@ -385,9 +398,8 @@ def run_node(
         )
         for i in range(local)
     ]
-    if local == 1:  # this process is the rank (one interpreter fewer to start)
+    if local == 1:  # this process is the rank (one interpreter fewer to start), and ends with it
         worker_main(dataclasses.replace(specs[0], parent_pid=0), None)
-        return 0
     processes = spawn_ranks(specs, None)
     try:
         pending = {p.sentinel: p for p in processes}
