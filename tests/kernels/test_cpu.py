@@ -166,64 +166,43 @@ DECODE_SHAPES = [  # (num_heads, num_kv_heads, head_dim)
 SEQ_LENS = [1, 16, 17, 100]  # one token, a full block, one past it, several blocks and a part
 
 
-@needs_kernels
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), DECODE_SHAPES)
 def test_bf16_decode_attention_matches_fp64_reference_rounded_once(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    path: str, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
-    assert kernels is not None
-    # NaN in every slot outside the sequences: reading one (past seq_len, or a wrong block)
-    # turns the output NaN.
-    cache, tables = paged_cache(SEQ_LENS, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=head_dim)
+    """Both kernels (the AVX-512 one where it applies: head_dim a multiple of 32), on the test's
+    sequence lengths and on a longer context (many chunks of 32 tokens, the softmax rescaled
+    between them)."""
+    library = kernels if path == "avx2" else avx512
+    if library is None:
+        pytest.skip(f"no {path} kernel here")
     g = torch.Generator().manual_seed(num_heads)
-    q = (2 * torch.randn(len(SEQ_LENS), num_heads, head_dim, generator=g)).bfloat16()  # peaked softmax
-    scale = head_dim**-0.5
-    out = kernels.decode_attention(q, cache, tables, torch.tensor(SEQ_LENS), scale)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
-    reference, fp32_error = reference_decode(q, cache, tables, SEQ_LENS, scale)
-    # The inputs are bf16, exact in fp32; the kernel's fp32 result y is within fp32_error of the
-    # reference and is rounded once to bf16, by at most half a bf16 step (2^-8 |y|):
-    # |out - ref| <= 2^-8 |y| + fp32_error <= 2^-8 |ref| + 2 fp32_error.
-    error = (out.double() - reference).abs()
-    assert (error <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
-    # So it is the reference rounded to bf16, except where the reference lies within fp32_error
-    # of a rounding boundary: a fraction ~ fp32_error / bf16 step, well under 1%. (Truncating
-    # instead of rounding, or any intermediate in bf16, misses far more.)
-    assert (out == reference.bfloat16()).double().mean() > 0.99
-    # One token: its value, exactly.
-    assert torch.equal(out[0], cache[1, tables[0, 0], 0].repeat_interleave(num_heads // num_kv_heads, dim=0))
-
-
-@needs_avx512
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), DECODE_SHAPES)
-def test_avx512_bf16_decode_attention_matches_fp64_reference_rounded_once(
-    num_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
-    """The same contract as the AVX2 kernel's (above), where it applies (head_dim a multiple of 32)."""
-    assert avx512 is not None
-    cache, tables = paged_cache(SEQ_LENS, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=head_dim)
-    g = torch.Generator().manual_seed(num_heads)
-    q = (2 * torch.randn(len(SEQ_LENS), num_heads, head_dim, generator=g)).bfloat16()
-    scale = head_dim**-0.5
-    out = avx512.decode_attention(q, cache, tables, torch.tensor(SEQ_LENS), scale)
-    if head_dim % 32:
-        assert out is None  # declined: the AVX2 kernel takes it
-        return
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
-    reference, fp32_error = reference_decode(q, cache, tables, SEQ_LENS, scale)
-    error = (out.double() - reference).abs()
-    assert (error <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
-    assert (out == reference.bfloat16()).double().mean() > 0.99
-    assert torch.equal(out[0], cache[1, tables[0, 0], 0].repeat_interleave(num_heads // num_kv_heads, dim=0))
-    # a longer context: several chunks of 32 tokens, the softmax rescaled between them
-    lens = [1000, 33, 64]
-    cache, tables = paged_cache(lens, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=1)
-    q = (2 * torch.randn(len(lens), num_heads, head_dim, generator=g)).bfloat16()
-    out = avx512.decode_attention(q, cache, tables, torch.tensor(lens), scale)
-    assert out is not None
-    reference, fp32_error = reference_decode(q, cache, tables, lens, scale)
-    assert ((out.double() - reference).abs() <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
-    assert avx512.decode_attention(q.float(), cache.float(), tables, torch.tensor(lens), scale) is None  # bf16 only
+    for seq_lens, seed in ((SEQ_LENS, head_dim), ([1000, 33, 64], 1)):
+        # NaN in every slot outside the sequences: reading one (past seq_len, or a wrong block)
+        # turns the output NaN.
+        cache, tables = paged_cache(seq_lens, num_kv_heads, head_dim, torch.bfloat16, math.nan, seed=seed)
+        q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=g)).bfloat16()  # peaked softmax
+        scale = head_dim**-0.5
+        out = library.decode_attention(q, cache, tables, torch.tensor(seq_lens), scale)
+        if path == "avx512" and head_dim % 32:
+            assert out is None  # declined: the AVX2 kernel takes it
+            return
+        assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+        reference, fp32_error = reference_decode(q, cache, tables, seq_lens, scale)
+        # The inputs are bf16, exact in fp32; the kernel's fp32 result y is within fp32_error of the
+        # reference and is rounded once to bf16, by at most half a bf16 step (2^-8 |y|):
+        # |out - ref| <= 2^-8 |y| + fp32_error <= 2^-8 |ref| + 2 fp32_error.
+        error = (out.double() - reference).abs()
+        assert (error <= 2.0**-8 * reference.abs() + 2 * fp32_error).all()
+        # So it is the reference rounded to bf16, except where the reference lies within fp32_error
+        # of a rounding boundary: a fraction ~ fp32_error / bf16 step, well under 1%. (Truncating
+        # instead of rounding, or any intermediate in bf16, misses far more.)
+        assert (out == reference.bfloat16()).double().mean() > 0.99
+        if seq_lens[0] == 1:  # one token: its value, exactly
+            assert torch.equal(out[0], cache[1, tables[0, 0], 0].repeat_interleave(num_heads // num_kv_heads, dim=0))
+    if path == "avx512":  # bf16 only
+        assert library.decode_attention(q.float(), cache.float(), tables, torch.tensor(seq_lens), scale) is None
 
 
 def test_the_backend_decodes_with_avx512_unless_the_avx2_path_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
