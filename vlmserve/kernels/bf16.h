@@ -23,4 +23,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bf16 -> 16 fp32, exact (the AVX-512 kernels). */
+static inline __m512 bf16x16_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 #endif

@@ -61,11 +61,6 @@ static inline __m512 widen16_f32(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* 16 bf16 -> 16 fp32, exact. */
-static inline __m512 bf16x16_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* One activation row (xp: Kp bf16, zero past K): NR1 weight rows streamed, widened in registers.
  * Here each weight is used once, so its widening is the cost: to fp32 and 16-wide FMAs (widen,
  * convert, FMA per 16 weights) rather than on to bf16 for vdpbf16ps (one more conversion per 32).

@@ -268,9 +268,7 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
                 /* the chunk's V rows widened to fp32 once */
                 for (int64_t j = 0; j < n; j++) {
                     const uint16_t *v_row = cache + v_offset + rows[j];
-                    for (int64_t d = 0; d < head_dim; d += 16)
-                        _mm512_store_ps(vf[j] + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v_row + d))), 16)));
+                    for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(vf[j] + d, bf16x16_f32(v_row + d));
                 }
                 /* acc = acc * correction + p V, 32 elements of a head at a time held in registers,
                  * tokens four ways apart (eight independent sums: FMA latency, not a chain) */

@@ -68,14 +68,19 @@ def _storage_groups(model: nn.Module) -> dict[int, list[torch.Tensor]]:
     return groups
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy the model's large CPU tensors into one huge-page mapping; the bytes moved (0 when the
     kernel offers no huge pages)."""
     if not huge_pages_available():
         return 0
-    groups = _storage_groups(model)
-    sizes = {ptr: tensors[0].untyped_storage().nbytes() for ptr, tensors in groups.items()}
-    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+    # NOTE: only the tensors are held, not their storages: each old storage is freed as soon as its
+    # tensors view the new place, so at most one extra tensor's memory is resident.
+    groups = list(_storage_groups(model).values())
+    total = sum(_padded(tensors[0].untyped_storage().nbytes()) for tensors in groups)
     if total == 0:
         return 0
     start = time.perf_counter()
@@ -86,9 +91,11 @@ def move_to_huge_pages(model: nn.Module) -> int:
     whole = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive while any view does
     offset = -whole.data_ptr() % HUGE_PAGE
     with torch.no_grad():
-        for ptr, tensors in groups.items():
-            nbytes = sizes[ptr]
-            whole[offset : offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage()))
+        for tensors in groups:
+            old = tensors[0].untyped_storage()
+            nbytes = old.nbytes()
+            whole[offset : offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+            del old
             for tensor in tensors:
                 # the same view (offset, shape, strides, in elements) of the memory's new place
                 first = offset // tensor.element_size() + tensor.storage_offset()
@@ -96,9 +103,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
                     whole.untyped_storage(), first, tensor.size(), tensor.stride()
                 )
                 tensor.data = moved
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            offset += _padded(nbytes)
     logger.info(
-        "weights on huge pages: %.2f GiB in %d tensors, moved in %.1f s",
+        "weights on huge pages: %.2f GiB in %d storages, moved in %.1f s",
         total / (1 << 30),
         len(groups),
         time.perf_counter() - start,
