@@ -205,7 +205,7 @@ def test_bf16_decode_attention_matches_fp64_reference_rounded_once(
         assert library.decode_attention(q.float(), cache.float(), tables, torch.tensor(seq_lens), scale) is None
 
 
-def test_the_backend_decodes_with_avx512_unless_the_avx2_path_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_backend_uses_avx512_kernels_unless_another_path_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
     class Fake:
@@ -215,10 +215,18 @@ def test_the_backend_decodes_with_avx512_unless_the_avx2_path_is_forced(monkeypa
         def decode_attention(self, *args: object) -> None:
             calls.append(self.name)  # and declines (None)
 
+        def prefill_attention(self, *args: object) -> None:
+            calls.append(f"{self.name} prefill")
+
     monkeypatch.setattr(cpu, "load_cpu_kernels", lambda: Fake("avx2"))
     monkeypatch.setattr(cpu, "load_avx512_kernels", lambda: Fake("avx512"))
     args = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 1.0)
-    for path, expected in ((None, ["avx512", "avx2"]), ("avx512", ["avx512", "avx2"]), ("avx2", ["avx2"])):
+    for path, expected in (
+        (None, ["avx512", "avx2"]),
+        ("avx512", ["avx512", "avx2"]),
+        ("avx2", ["avx2"]),
+        ("torch", ["avx2"]),
+    ):
         if path is None:
             monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
         else:
@@ -229,6 +237,14 @@ def test_the_backend_decodes_with_avx512_unless_the_avx2_path_is_forced(monkeypa
         assert backend.decode_kernel(*args) is None  # type: ignore[arg-type]
         # the AVX-512 kernel is asked first; where it declines the AVX2 one runs
         assert calls == expected, path
+        # prefill: the AVX-512 flash kernel, or (another path forced) SDPA
+        calls.clear()
+        if "avx512" in expected:
+            assert backend.prefill_kernel is not None
+            assert backend.prefill_kernel(*args[:4], None) is None  # type: ignore[arg-type]
+            assert calls == ["avx512 prefill"]
+        else:
+            assert backend.prefill_kernel is None
 
 
 @needs_kernels

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.attention.torch_backend import DecodeKernel, TorchAttentionBackend
+from vlmserve.attention.torch_backend import DecodeKernel, PrefillKernel, TorchAttentionBackend
 
 
 class AttentionBackend(Protocol):
@@ -35,7 +35,8 @@ BACKENDS = ("auto", "torch", "triton")
 def select_backend(device: torch.device, name: str = "auto", decode_workspace_tokens: int = 32768) -> AttentionBackend:
     """Called once when the engine is built. "auto": triton on CUDA where the package is
     installed, torch elsewhere. The torch backend runs on every device; on CPUs where the
-    vlmserve kernels build, its decode steps read the paged KV in place. The triton backend runs
+    vlmserve kernels build, its decode steps read the paged KV in place, and with AVX-512 BF16
+    its prefill and vision attention run a flash kernel of ours. The triton backend runs
     on CUDA, and on the CPU only under the Triton interpreter (TRITON_INTERPRET=1: tests)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -52,8 +53,9 @@ def select_backend(device: torch.device, name: str = "auto", decode_workspace_to
         from vlmserve.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    decode_kernel = _cpu_decode_kernel() if device.type == "cpu" else None
-    return TorchAttentionBackend(decode_workspace_tokens, decode_kernel)
+    if device.type != "cpu":
+        return TorchAttentionBackend(decode_workspace_tokens)
+    return TorchAttentionBackend(decode_workspace_tokens, _cpu_decode_kernel(), _cpu_prefill_kernel())
 
 
 def _cpu_decode_kernel() -> DecodeKernel | None:
@@ -78,6 +80,17 @@ def _cpu_decode_kernel() -> DecodeKernel | None:
         return out if out is not None else general(q, kv_cache, tables, lens, scale)
 
     return decode
+
+
+def _cpu_prefill_kernel() -> PrefillKernel | None:
+    """The AVX-512 BF16 flash kernel for prefill and vision attention where the CPU has it (torch's
+    SDPA where it declines: not bf16, odd head_dim), unless VLMSERVE_CPU_PATH forces the avx2 or
+    torch path; None otherwise (SDPA)."""
+    from vlmserve.kernels.cpu import load_avx512_kernels
+    from vlmserve.kernels.dispatch import forced_path
+
+    avx512 = load_avx512_kernels() if forced_path() in (None, "avx512") else None
+    return None if avx512 is None else avx512.prefill_attention
 
 
 def _triton_installed() -> bool:

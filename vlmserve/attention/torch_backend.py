@@ -1,5 +1,6 @@
 """The reference attention backend: torch's scaled_dot_product_attention over KV gathered from
-the paged cache by block table, and per-segment attention for the vision tower."""
+the paged cache by block table, and per-segment attention for the vision tower; on CPUs where the
+vlmserve kernels build, decode reads the paged KV in place and prefill runs a flash kernel."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from vlmserve.attention.metadata import AttentionMetadata
 
 # (q [num_seqs, heads, dim], kv_cache, block_tables, seq_lens, scale) -> out, or None if it declines
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
+# (q [q_len, heads, dim], k, v [kv_len, kv_heads, dim], scale, causal_offset: None for none, else
+# query i sees keys 0 .. causal_offset + i) -> out [q_len, heads, dim], or None if it declines
+PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], "torch.Tensor | None"]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -26,13 +30,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Att
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, decode_workspace_tokens: int = 32768, decode_kernel: DecodeKernel | None = None) -> None:
+    def __init__(
+        self,
+        decode_workspace_tokens: int = 32768,
+        decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
+    ) -> None:
         # Batched decode gathers each sequence's KV padded to the longest in its group; groups
         # are cut so that (sequences x longest) stays within this many tokens, which bounds the
         # step's transient memory (the memory planner's profile run covers exactly this).
         self.decode_workspace_tokens = decode_workspace_tokens
         # A paged decode kernel reading KV in place (CPU: kernels/cpu_linear.c), where one builds.
         self.decode_kernel = decode_kernel
+        # Attention over fresh or gathered K/V (CPU: kernels/cpu_linear_avx512.c); SDPA where it declines.
+        self.prefill_kernel = prefill_kernel
 
     def paged_attention(
         self,
@@ -91,10 +102,13 @@ class TorchAttentionBackend:
         values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values  # [seq_len, num_kv_heads, head_dim]
 
-    @staticmethod
     def _sdpa(
-        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int
     ) -> torch.Tensor:
+        if self.prefill_kernel is not None:
+            out = self.prefill_kernel(q, keys, values, scale, causal_offset)
+            if out is not None:
+                return out
         q_len, kv_len = q.shape[0], keys.shape[0]
         mask = None
         if causal_offset == 0:
@@ -156,6 +170,11 @@ class TorchAttentionBackend:
         (the vision tower: one segment per image frame). q, k, v: [num_tokens, num_heads, head_dim]."""
         out = torch.empty_like(q)
         for start, end in itertools.pairwise(cu_seqlens):
+            if self.prefill_kernel is not None:
+                o = self.prefill_kernel(q[start:end], k[start:end], v[start:end], scale, None)
+                if o is not None:
+                    out[start:end] = o
+                    continue
             o = F.scaled_dot_product_attention(  # 4-D: see _sdpa
                 q[None, start:end].transpose(1, 2),
                 k[None, start:end].transpose(1, 2),

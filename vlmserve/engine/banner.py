@@ -45,6 +45,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     info = core.model_info
     plan = core.memory_plan
     decode_kernel = getattr(core.backend, "decode_kernel", None)
+    prefill_kernel = getattr(core.backend, "prefill_kernel", None)
     in_process = core.executor.tensor_parallel_size == 1
     graphs = core.runner.decode_graphs if in_process else None
     tp, nnodes = core.config.tensor_parallel_size, core.config.nnodes
@@ -58,7 +59,8 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
         "KV cache": f"{plan.num_blocks * plan.block_size:,} tokens ({plan.num_blocks:,} blocks of {plan.block_size})",
         "attention": f"{core.backend.name} ({'SDPA' if core.backend.name == 'torch' else 'Triton kernels'})"
         + (f"; decode: CUDA graphs ({len(graphs.buckets)} batch sizes)" if graphs is not None else "")
-        + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else ""),
+        + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else "")
+        + ("; prefill and vision: vlmserve AVX-512 BF16 flash kernel" if prefill_kernel is not None else ""),
         "linear layers": (
             "chosen in each rank process"
             if not in_process

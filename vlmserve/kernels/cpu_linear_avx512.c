@@ -304,3 +304,200 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
         }
     }
 }
+
+
+/*
+ * Prefill attention (flash attention: scores, softmax and the weighted sum of V block by block,
+ * never the whole [q_len, kv_len] matrix) with AVX-512 BF16: both products by vdpbf16ps. K and V
+ * are first packed per KV head so that one 64-byte load feeds a product: K as [key block][d pair]
+ * [64 keys][2] (a query's two dims broadcast against 16 keys' same two dims), V as [key block]
+ * [key pair][d][2] (a row's two probabilities broadcast against two keys' values of 16 dims).
+ * Arithmetic, as torch's CPU flash kernel for bf16: q.k exact products summed in fp32, the
+ * softmax in fp32 with its sum over the fp32 probabilities, the probabilities rounded to bf16
+ * for the product with V (fp32 sums), the output divided by the sum and rounded once to bf16.
+ * exp is 2^x of the scores scaled by log2(e): a degree-6 polynomial on [-0.5, 0.5] and vscalefps
+ * (relative error ~1.2e-7, far below the bf16 rounding of the probabilities).
+ */
+#define FQ 8    /* query rows per tile */
+#define FK 64   /* keys per block */
+#define FD_MAX 256
+#define LOG2E 1.44269504088896341f
+
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    /* 2^f = e^(f ln 2): Taylor terms (ln 2)^k / k! */
+    __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* scores of 4 query rows (pairs of dims as uint32) against one block's 64 packed keys */
+static inline __attribute__((always_inline)) void qk4(const uint32_t *q0, int64_t qstride, const uint16_t *kb,
+                                                      int64_t dpairs, float scale, float *s, int64_t sstride) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < dpairs; dp++) {
+        const uint16_t *kp = kb + dp * FK * 2;
+        __m512bh k0 = (__m512bh)_mm512_load_si512(kp), k1 = (__m512bh)_mm512_load_si512(kp + 32);
+        __m512bh k2 = (__m512bh)_mm512_load_si512(kp + 64), k3 = (__m512bh)_mm512_load_si512(kp + 96);
+        for (int r = 0; r < 4; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q0[r * qstride + dp]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], qb, k2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qb, k3);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(s + r * sstride + c * 16, _mm512_mul_ps(acc[r][c], sc));
+}
+
+/* o[r][d0 .. d0 + 16 NC) = o * alpha[r] + sum over the block's key pairs of p pair x v pair, 4 rows */
+static inline __attribute__((always_inline)) void pv4(const uint32_t *p0, const uint16_t *vb, int64_t dim,
+                                                      int64_t d0, float *o0, const float *alpha, const int NC) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o0 + r * FD_MAX + d0 + c * 16), a);
+    }
+    for (int64_t t = 0; t < FK / 2; t++) {
+        const uint16_t *vp = vb + (t * dim + d0) * 2;
+        __m512bh v[4];
+        for (int c = 0; c < NC; c++) v[c] = (__m512bh)_mm512_load_si512(vp + c * 32);
+        for (int r = 0; r < 4; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p0[r * (FK / 2) + t]);
+            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < NC; c++) _mm512_store_ps(o0 + r * FD_MAX + d0 + c * 16, acc[r][c]);
+}
+
+/*
+ * out[i, h] = softmax(scale q[i, h] . k[j, g]) v[j, g] over keys j (g = h's KV head; with
+ * causal_offset >= 0 only j <= causal_offset + i). q [q_len, num_heads, dim], k and v
+ * [kv_len, num_kv_heads, dim], out [q_len, num_heads, dim], bf16; each with its own stride
+ * between tokens (in elements), heads contiguous. dim even, at most 256 (V is packed with dims
+ * rounded up to 16: zeros past dim). Returns 0, or -1 (nothing done) when the packed K and V
+ * find no memory.
+ */
+int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                  int64_t q_len, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                  int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t out_stride,
+                                  float scale, int64_t causal_offset) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t nkb = (kv_len + FK - 1) / FK;
+    const int64_t dimp = (dim + 15) / 16 * 16;
+    const int64_t k_elems = FK * dim, v_elems = FK * dimp; /* per packed block */
+    uint16_t *kp = aligned_alloc(64, (size_t)(num_kv_heads * nkb * k_elems * 2));
+    uint16_t *vp = aligned_alloc(64, (size_t)(num_kv_heads * nkb * v_elems * 2));
+    if (kp == NULL || vp == NULL) {
+        free(kp);
+        free(vp);
+        return -1;
+    }
+    const int64_t nqt = (q_len + FQ - 1) / FQ;
+    const float scale2 = scale * LOG2E;
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t g = 0; g < num_kv_heads; g++)
+            for (int64_t b = 0; b < nkb; b++) {
+                uint16_t *kd = kp + (g * nkb + b) * k_elems, *vd = vp + (g * nkb + b) * v_elems;
+                for (int64_t jj = 0; jj < FK; jj++) {
+                    const int64_t j = b * FK + jj;
+                    const uint16_t *kr = k + j * k_stride + g * dim, *vr = v + j * v_stride + g * dim;
+                    for (int64_t d = 0; d < dimp; d++) {
+                        if (d < dim) kd[((d >> 1) * FK + jj) * 2 + (d & 1)] = j < kv_len ? kr[d] : 0;
+                        vd[((jj >> 1) * dimp + d) * 2 + (jj & 1)] = j < kv_len && d < dim ? vr[d] : 0;
+                    }
+                }
+            }
+        /* tiles longest first (causal: the last query rows see the most keys) */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t ti = 0; ti < nqt; ti++)
+            for (int64_t h = 0; h < num_heads; h++) {
+                const int64_t i0 = (nqt - 1 - ti) * FQ, g = h / group;
+                uint32_t qt[FQ][FD_MAX / 2] __attribute__((aligned(64)));
+                float s[FQ][FK] __attribute__((aligned(64)));
+                uint32_t pb[FQ][FK / 2] __attribute__((aligned(64)));
+                float o[FQ][FD_MAX] __attribute__((aligned(64)));
+                float m[FQ], l[FQ], alpha[FQ];
+                for (int r = 0; r < FQ; r++) {
+                    const int64_t i = i0 + r < q_len ? i0 + r : q_len - 1;
+                    memcpy(qt[r], q + i * q_stride + h * dim, (size_t)dim * 2);
+                    for (int64_t d = 0; d < dimp; d++) o[r][d] = 0.0f;
+                    m[r] = -INFINITY;
+                    l[r] = 0.0f;
+                }
+                int64_t last = kv_len; /* keys this tile needs: [0, last) */
+                if (causal_offset >= 0) {
+                    const int64_t seen = causal_offset + (i0 + FQ < q_len ? i0 + FQ : q_len);
+                    last = seen < kv_len ? seen : kv_len;
+                }
+                for (int64_t b = 0; b * FK < last; b++) {
+                    const uint16_t *kb = kp + (g * nkb + b) * k_elems, *vb = vp + (g * nkb + b) * v_elems;
+                    qk4(qt[0], FD_MAX / 2, kb, dim / 2, scale2, s[0], FK);
+                    qk4(qt[4], FD_MAX / 2, kb, dim / 2, scale2, s[4], FK);
+                    for (int r = 0; r < FQ; r++) {
+                        /* keys past the end, or (causal) past this row's position */
+                        int64_t visible = kv_len - b * FK;
+                        if (causal_offset >= 0) {
+                            const int64_t row = i0 + r < q_len ? i0 + r : q_len - 1;
+                            const int64_t v_row = causal_offset + row + 1 - b * FK;
+                            visible = v_row < visible ? v_row : visible;
+                        }
+                        __m512 sv[4];
+                        __mmask16 keep[4];
+                        __m512 mx = _mm512_set1_ps(-INFINITY);
+                        for (int c = 0; c < 4; c++) {
+                            const int64_t n = visible - c * 16;
+                            keep[c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+                            sv[c] = _mm512_load_ps(s[r] + c * 16);
+                            mx = _mm512_mask_max_ps(mx, keep[c], mx, sv[c]);
+                        }
+                        const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx));
+                        alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
+                        const __m512 mn = _mm512_set1_ps(m_new);
+                        __m512 sum = _mm512_setzero_ps();
+                        __m512 p[4];
+                        for (int c = 0; c < 4; c++) {
+                            p[c] = _mm512_maskz_mov_ps(keep[c], exp2_ps(_mm512_sub_ps(sv[c], mn)));
+                            sum = _mm512_add_ps(sum, p[c]);
+                        }
+                        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                        m[r] = m_new;
+                        _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                        _mm512_store_si512(pb[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+                    }
+                    for (int r0 = 0; r0 < FQ; r0 += 4) {
+                        int64_t d0 = 0;
+                        for (; d0 + 64 <= dimp; d0 += 64) pv4(pb[r0], vb, dimp, d0, o[r0], alpha + r0, 4);
+                        switch ((dimp - d0) / 16) {
+                        case 3: pv4(pb[r0], vb, dimp, d0, o[r0], alpha + r0, 3); break;
+                        case 2: pv4(pb[r0], vb, dimp, d0, o[r0], alpha + r0, 2); break;
+                        case 1: pv4(pb[r0], vb, dimp, d0, o[r0], alpha + r0, 1); break;
+                        default: break;
+                        }
+                    }
+                }
+                for (int r = 0; r < FQ && i0 + r < q_len; r++) {
+                    uint16_t *orow = out + (i0 + r) * out_stride + h * dim;
+                    const float inv = 1.0f / l[r];
+                    for (int64_t d = 0; d < dim; d++) orow[d] = f32_to_bf16(o[r][d] * inv);
+                }
+            }
+    }
+    free(kp);
+    free(vp);
+    return 0;
+}
