@@ -1,17 +1,29 @@
 """The element-wise CPU kernels (cpu_linear.c) against the torch expressions they replace in
 models/layers.py: residual add + RMSNorm, and rotary embedding on strided q/k views of a fused
-qkv output (bf16 rounding after every op; the vision towers' fp32 variant)."""
+qkv output (bf16 rounding after every op; the vision towers' fp32 variant); and the MLP
+activations of cpu_linear_avx512.c (quick_gelu, SwiGLU) where the CPU has AVX-512 BF16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from vlmserve.kernels.cpu import load_cpu_kernels
-from vlmserve.models.layers import RMSNorm, apply_rotary, apply_rotary_qk, apply_rotary_qk_fp32, rotate_half
+from vlmserve.kernels.cpu import load_avx512_kernels, load_cpu_kernels
+from vlmserve.models.layers import (
+    RMSNorm,
+    SiluAndMul,
+    apply_rotary,
+    apply_rotary_qk,
+    apply_rotary_qk_fp32,
+    quick_gelu,
+    rotate_half,
+)
 
 kernels = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels need AVX2 and a C compiler")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="the CPU kernels need AVX2 and a C compiler")
+avx512 = load_avx512_kernels()
+needs_avx512 = pytest.mark.skipif(avx512 is None, reason="this CPU has no AVX-512 BF16 (or the kernel did not build)")
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +36,7 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40: the rows are split among threads
 @pytest.mark.parametrize("hidden", [1536, 100])
 def test_add_rms_norm_is_the_residual_add_then_torchs_norm(rows: int, hidden: int) -> None:
@@ -43,6 +56,7 @@ def test_add_rms_norm_is_the_residual_add_then_torchs_norm(rows: int, hidden: in
     assert _bf16_ulps(plain, want_plain).max() <= 1 and (plain != want_plain).float().mean() < 1e-3
 
 
+@needs_kernels
 def test_rms_norm_keeps_torch_for_float32_and_strided_inputs() -> None:
     norm = RMSNorm(64).float()
     x = torch.randn(3, 64)
@@ -56,6 +70,7 @@ def _qkv(rows: int, nq: int, nk: int, d: int, seed: int) -> torch.Tensor:
     return (torch.randn(rows, (nq + 2 * nk) * d, generator=g) * 3).bfloat16()
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int) -> None:
     nq, nk, d = 12, 2, 128
@@ -71,6 +86,7 @@ def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int) -> None:
     assert torch.equal(v, want_v)  # v untouched
 
 
+@needs_kernels
 def test_vision_rotary_in_fp32_equals_the_reference_expression() -> None:
     rows, heads, d = 70, 16, 80
     qkv = _qkv(rows, heads, heads, d, 7)
@@ -88,3 +104,56 @@ def test_vision_rotary_in_fp32_equals_the_reference_expression() -> None:
     qf, kf = q.float(), k.float()
     got = apply_rotary_qk_fp32(qf, kf, cos, sin)
     assert torch.equal(got[0], reference(qf)) and torch.equal(got[1], reference(kf))
+
+
+def _torch_quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _torch_swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0, -90.0, 1e-40, -1e-40, 88.0, -88.0, 1e38]
+
+
+@needs_avx512
+@pytest.mark.parametrize(("rows", "n"), [(1, 8960), (3, 100), (341, 1280)])  # a row, a tail past 16, threads
+def test_mlp_activations_round_as_torchs_bf16_ops(rows: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert avx512 is not None
+    monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
+    calls: list[str] = []
+    for name in ("quick_gelu", "silu_and_mul"):
+        real = getattr(avx512, name)
+        monkeypatch.setattr(avx512, name, lambda x, real=real, name=name: calls.append(name) or real(x))
+    g = torch.Generator().manual_seed(rows + n)
+    for scale in (1.0, 4.0, 30.0):
+        x = (torch.randn(rows, 2 * n, generator=g) * scale).bfloat16()
+        for got, want in ((quick_gelu(x), _torch_quick_gelu(x)), (SiluAndMul()(x), _torch_swiglu(x))):
+            # exp in another order of operations: a last-bit flip where a value lies within an
+            # fp32 ulp or so of a bf16 rounding boundary, never more
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            assert _bf16_ulps(got, want).max() <= 1 and (got != want).float().mean() < 1e-3
+    assert calls == ["quick_gelu", "silu_and_mul"] * 3
+    special = torch.tensor(SPECIAL).bfloat16()[None]  # overflow, underflow, denormals, NaN: as torch
+    assert torch.equal(quick_gelu(special).view(torch.int16), _torch_quick_gelu(special).view(torch.int16))
+    pairs = torch.cat([special, special.flip(-1)], dim=-1)
+    assert torch.equal(SiluAndMul()(pairs).view(torch.int16), _torch_swiglu(pairs).view(torch.int16))
+
+
+@needs_avx512
+def test_mlp_activations_keep_torch_for_float32_and_another_forced_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert avx512 is not None
+
+    def refuse(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the AVX-512 activation ran")
+
+    monkeypatch.setattr(avx512, "quick_gelu", refuse)
+    monkeypatch.setattr(avx512, "silu_and_mul", refuse)
+    x = torch.randn(4, 64)
+    assert torch.equal(quick_gelu(x), _torch_quick_gelu(x)) and torch.equal(SiluAndMul()(x), _torch_swiglu(x))
+    for path in ("avx2", "torch"):
+        monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
+        xb = x.bfloat16()
+        assert torch.equal(quick_gelu(xb), _torch_quick_gelu(xb)) and torch.equal(SiluAndMul()(xb), _torch_swiglu(xb))

@@ -256,7 +256,7 @@ def load_cpu_kernels() -> CpuKernels | None:
 
 class Avx512Kernels:
     """cpu_linear_avx512.c: the bf16 linear product with AVX-512 BF16 dot products, any row count,
-    and attention (paged decode; prefill and the vision tower's segments)."""
+    attention (paged decode; prefill and the vision tower's segments), and the MLP activations."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))  # loaded after torch: shares its OpenMP pool
@@ -267,6 +267,8 @@ class Avx512Kernels:
         lib.vlm_decode_attention_avx512.restype = None
         lib.vlm_prefill_attention_avx512.argtypes = [p, p, p, p, *[i64] * 9, ctypes.c_float, i64]
         lib.vlm_prefill_attention_avx512.restype = ctypes.c_int
+        lib.vlm_activation_bf16_avx512.argtypes = [p, p, i64, i64, i64, i64]
+        lib.vlm_activation_bf16_avx512.restype = None
         self._lib = lib
         self.path = library
 
@@ -316,6 +318,21 @@ class Avx512Kernels:
             q.stride(0), k.stride(0), v.stride(0), out.stride(0), scale, -1 if causal_offset is None else causal_offset,
         )  # fmt: skip
         return None if failed else out  # failed: no memory for the packed K and V
+
+    def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(1.702 x) of bf16 [..., n] with contiguous rows, rounded as torch's bf16 ops."""
+        return self._activation(x, x.shape[-1], 0)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of bf16 [..., 2n] rows [gate | up] -> [..., n], rounded as torch's bf16 ops."""
+        return self._activation(x, x.shape[-1] // 2, 1)
+
+    def _activation(self, x: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16 and x.stride(-1) == 1
+        x2 = x.reshape(-1, x.shape[-1])  # a view where the rows allow
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        self._lib.vlm_activation_bf16_avx512(x2.data_ptr(), out.data_ptr(), x2.shape[0], n, x2.stride(0), kind)
+        return out.reshape(*x.shape[:-1], n)
 
 
 @cache

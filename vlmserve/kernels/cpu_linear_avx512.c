@@ -501,3 +501,53 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
     free(vp);
     return 0;
 }
+
+/*
+ * Activations between an MLP's two products, bf16, rounding where torch's bf16 ops round (each
+ * op's fp32 result to bf16, nearest even): kind 0 quick_gelu, x * bf16(sigmoid(bf16(1.702 x)))
+ * (the vision towers); kind 1 SwiGLU on rows [gate | up] of 2n, bf16(silu(gate)) * up. torch runs
+ * them as 2-3 ops over the whole [rows, n] tensor, each a pass through memory. exp by exp2_ps:
+ * the fp32 results may differ from torch's by an ulp or so, which the rounding to bf16 hides but
+ * for a value within that of a rounding boundary.
+ */
+static inline __m256i f32x16_bf16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    /* NaN: torch's one quiet NaN, 0x7fc0 */
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 round_bf16(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_bf16(f)), 16));
+}
+
+static inline __m512 load_bf16_masked(const uint16_t *p, __mmask16 mask) {
+    const __m256i v = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)mask, p)); /* AVX-512 BW, not VL */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+void vlm_activation_bf16_avx512(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int64_t x_stride,
+                                int64_t kind) {
+    const __m512 one = _mm512_set1_ps(1.0f), neg_log2e = _mm512_set1_ps(-LOG2E);
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+    for (int64_t m = 0; m < rows; m++) {
+        const uint16_t *xr = x + m * x_stride;
+        uint16_t *orow = out + m * n;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 a = load_bf16_masked(xr + j, mask);
+            __m512 y;
+            if (kind == 0) {
+                const __m512 t = round_bf16(_mm512_mul_ps(a, _mm512_set1_ps(1.702f)));
+                const __m512 s = round_bf16(_mm512_div_ps(one, _mm512_add_ps(one, exp2_ps(_mm512_mul_ps(t, neg_log2e)))));
+                y = _mm512_mul_ps(a, s);
+            } else {
+                const __m512 s = round_bf16(_mm512_div_ps(a, _mm512_add_ps(one, exp2_ps(_mm512_mul_ps(a, neg_log2e)))));
+                y = _mm512_mul_ps(s, load_bf16_masked(xr + n + j, mask));
+            }
+            _mm512_mask_storeu_epi16(orow + j, (__mmask32)mask, _mm512_castsi256_si512(f32x16_bf16(y)));
+        }
+    }
+}

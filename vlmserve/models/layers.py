@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import LinearOp
-from vlmserve.kernels.cpu import CpuKernels, load_cpu_kernels
+from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_avx512_kernels, load_cpu_kernels
+from vlmserve.kernels.dispatch import forced_path
 
 
 class Linear(nn.Linear):
@@ -130,7 +131,18 @@ def _rotary_kernels(
     return _cpu_bf16_kernels(q, k) if applies else None
 
 
+def _avx512_activations(x: torch.Tensor) -> Avx512Kernels | None:
+    """The AVX-512 kernels of the MLP activations where they apply: bf16 on the CPU, last dim
+    contiguous, the kernels built, and no other CPU path forced (VLMSERVE_CPU_PATH=avx2/torch)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1 and x.numel():
+        return load_avx512_kernels() if forced_path() in (None, "avx512") else None
+    return None
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    kernels = _avx512_activations(x)
+    if kernels is not None:
+        return kernels.quick_gelu(x)
     return x * torch.sigmoid(1.702 * x)
 
 
@@ -152,5 +164,8 @@ class SiluAndMul(nn.Module):
     """SwiGLU on a fused [gate | up] projection: silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = _avx512_activations(x)
+        if kernels is not None:
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
