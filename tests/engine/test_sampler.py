@@ -260,3 +260,59 @@ def test_min_tokens_may_not_exceed_max_tokens() -> None:
     with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=4"):
         SamplingParams(max_tokens=4, min_tokens=5)
     assert SamplingParams(max_tokens=None, min_tokens=10).min_tokens == 10
+
+
+# -- greedy tokens straight from bf16 logits (kernels/cpu_linear.c's argmax) -------------------
+
+from vlmserve.engine.sampler import greedy_tokens  # noqa: E402
+from vlmserve.kernels.cpu import load_cpu_kernels  # noqa: E402
+
+cpu_kernels = load_cpu_kernels()
+needs_cpu_kernels = pytest.mark.skipif(cpu_kernels is None, reason="the CPU kernels need AVX2 and a C compiler")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 151936), (5, 100), (3, 7), (32, 1000)])  # tails past 16, < 16
+def test_bf16_argmax_is_torchs_argmax_of_the_widened_logits(rows: int, vocab: int) -> None:
+    assert cpu_kernels is not None
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).bfloat16()
+    # bf16 has few values: ties between the largest, where the first index wins
+    logits[:, vocab // 2] = logits.max(dim=-1).values
+    assert cpu_kernels.argmax(logits) == logits.float().argmax(dim=-1).tolist()
+    assert cpu_kernels.argmax(logits[:, ::2]) == logits[:, ::2].float().argmax(dim=-1).tolist()  # strided
+
+
+@needs_cpu_kernels
+def test_bf16_argmax_orders_special_values_as_torch() -> None:
+    assert cpu_kernels is not None
+    inf, nan = float("inf"), float("nan")
+    rows = [
+        [1.0, -0.0, 3.0, 3.0, 2.0] + [0.0] * 20,  # a tie: the first
+        [-inf] * 25,  # nothing but -inf: index 0
+        [-0.0, 0.0, -1.0] + [-2.0] * 22,  # -0 and +0 are equal: the first
+        [-5.0] * 24 + [-4.0],  # the largest in the tail past 16
+        [1.0, inf, 2.0, nan] + [0.0] * 21,  # NaN above +inf
+        [-3.0] * 18 + [-1.0, -2.5] + [-3.0] * 5,  # all negative
+    ]
+    logits = torch.tensor(rows).bfloat16()
+    logits[5, 10] = -torch.tensor(nan).bfloat16()  # a NaN with the sign bit set
+    assert cpu_kernels.argmax(logits) == logits.float().argmax(dim=-1).tolist() == [2, 0, 0, 24, 3, 10]
+
+
+@needs_cpu_kernels
+def test_greedy_tokens_only_for_plain_greedy_bf16_rows() -> None:
+    logits = torch.randn(3, 50).bfloat16()
+    plain = SamplingParams(temperature=0)
+    assert greedy_tokens(logits, [plain] * 3) == logits.float().argmax(dim=-1).tolist()
+    assert greedy_tokens(logits.float(), [plain] * 3) is None  # fp32 logits: the sampler
+    for other in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+        SamplingParams(temperature=0, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0, min_tokens=4),
+        SamplingParams(temperature=0, bad_words_token_ids=[[7]]),
+        SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+    ):
+        assert greedy_tokens(logits, [plain, other, plain]) is None, other

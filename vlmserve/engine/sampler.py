@@ -20,6 +20,7 @@ import torch
 
 from vlmserve.engine.contracts import TokenLogprobs
 from vlmserve.engine.structured_output import apply_token_bitmask
+from vlmserve.kernels.cpu import load_cpu_kernels
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -174,6 +175,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def _masks(p: SamplingParams) -> bool:
+    """Whether the row's logits get masks or a bias (Sampler._process)."""
+    return bool(p.logit_bias or p.min_tokens or p.bad_words_token_ids or p.allowed_token_ids)
+
+
+def greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int] | None:
+    """The tokens of a step whose rows are all plain greedy (no masks, bias, penalties or logprobs;
+    the caller has no grammar) straight from bf16 CPU logits: the CPU kernels' argmax, torch's
+    argmax of the widened logits without the widening (1.2 + 2.2 ms over [32, 151936] on the
+    Zen 4 machine). None where it does not apply: the caller samples as usual."""
+    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2:
+        return None
+    if not all(p.greedy and p.logprobs is None and not _masks(p) and not p.needs_penalties for p in params):
+        return None
+    kernels = load_cpu_kernels()
+    return None if kernels is None else kernels.argmax(logits)
+
+
 class Sampler:
     def __call__(
         self,
@@ -236,11 +255,7 @@ class Sampler:
     def _process(
         logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory] | None
     ) -> torch.Tensor:
-        masked = [
-            i
-            for i, p in enumerate(params)
-            if p.logit_bias or p.min_tokens or p.bad_words_token_ids or p.allowed_token_ids
-        ]
+        masked = [i for i, p in enumerate(params) if _masks(p)]
         penalized = [i for i, p in enumerate(params) if p.needs_penalties]
         if not masked and not penalized:
             return logits

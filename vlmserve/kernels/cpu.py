@@ -172,7 +172,8 @@ class CpuKernels:
         lib.vlm_decode_attention.restype = None
         lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
         lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
-        for name in ("add_rms_norm_bf16", "rotary_qk_bf16"):
+        lib.vlm_argmax_bf16.argtypes = [p, p, i64, i64]
+        for name in ("add_rms_norm_bf16", "rotary_qk_bf16", "argmax_bf16"):
             getattr(lib, f"vlm_{name}").restype = None
         self._lib = lib
         self.path = library
@@ -233,6 +234,14 @@ class CpuKernels:
             q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d,
             int(cos.dtype == torch.bfloat16),
         )  # fmt: skip
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Per row of bf16 [rows, vocab] logits, torch.argmax of their fp32 values (the first
+        largest; a NaN counts as the largest), without widening them."""
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._lib.vlm_argmax_bf16(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        return out.tolist()
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""

@@ -383,3 +383,50 @@ void vlm_rotary_qk_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_st
         rotate_heads(k + m * k_stride, c, s, nk, D, (int)cos_bf16);
     }
 }
+
+/*
+ * Greedy sampling's argmax over rows of bf16 logits, as torch.argmax of their fp32 values: the
+ * first index of the largest, a NaN (either sign) counting as the largest. Why: torch needs the
+ * logits widened to fp32 first (its bf16 argmax is 4x slower still) and then takes 2.2 ms over
+ * [32, 151936] on the Zen 4 machine; the widening took 1.2 ms more. Each value becomes an int16
+ * key ordered as the values (-0 and +0 equal, NaN above +inf), which compilers vectorise.
+ */
+static inline int16_t order_key(uint16_t b) {
+    const int16_t magnitude = (int16_t)(b & 0x7fff);
+    if (magnitude > 0x7f80) return INT16_MAX; /* NaN */
+    return (b & 0x8000) ? (int16_t)-magnitude : magnitude;
+}
+
+/* order_key of 16 values */
+static inline __m256i order_keys(__m256i v) {
+    const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi16(0x7fff));
+    const __m256i nan = _mm256_cmpgt_epi16(magnitude, _mm256_set1_epi16(0x7f80));
+    /* negated where the sign bit is set (v < 0 as int16; -0 gives 0) */
+    return _mm256_blendv_epi8(_mm256_sign_epi16(magnitude, v), _mm256_set1_epi16(INT16_MAX), nan);
+}
+
+void vlm_argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n >= 262144)
+    for (int64_t m = 0; m < rows; m++) {
+        const uint16_t *row = x + m * n;
+        const int64_t n16 = n / 16 * 16;
+        __m256i top = _mm256_set1_epi16(INT16_MIN);
+        for (int64_t j = 0; j < n16; j += 16)
+            top = _mm256_max_epi16(top, order_keys(_mm256_loadu_si256((const __m256i *)(row + j))));
+        int16_t lanes[16], best = INT16_MIN;
+        _mm256_storeu_si256((__m256i *)lanes, top);
+        for (int i = 0; i < 16; i++) best = lanes[i] > best ? lanes[i] : best;
+        for (int64_t j = n16; j < n; j++) best = order_key(row[j]) > best ? order_key(row[j]) : best;
+        /* the first index holding it */
+        int64_t at = -1;
+        const __m256i want = _mm256_set1_epi16(best);
+        for (int64_t j = 0; j < n16 && at < 0; j += 16) {
+            const __m256i hit = _mm256_cmpeq_epi16(order_keys(_mm256_loadu_si256((const __m256i *)(row + j))), want);
+            const unsigned bits = (unsigned)_mm256_movemask_epi8(hit);
+            if (bits) at = j + __builtin_ctz(bits) / 2;
+        }
+        for (int64_t j = n16; j < n && at < 0; j++)
+            if (order_key(row[j]) == best) at = j;
+        out[m] = at;
+    }
+}
