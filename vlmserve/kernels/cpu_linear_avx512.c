@@ -412,13 +412,29 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < num_kv_heads; g++)
             for (int64_t b = 0; b < nkb; b++) {
-                uint16_t *kd = kp + (g * nkb + b) * k_elems, *vd = vp + (g * nkb + b) * v_elems;
+                /* as 32-bit words: K's (dim 2i, 2i + 1) of each key, V's (key 2t, 2t + 1) of each dim
+                 * (element by element this took 1.0 ms of the 2B vision call, word by word 0.65) */
+                uint32_t *kd = (uint32_t *)(kp + (g * nkb + b) * k_elems);
+                uint32_t *vd = (uint32_t *)(vp + (g * nkb + b) * v_elems);
                 for (int64_t jj = 0; jj < FK; jj++) {
                     const int64_t j = b * FK + jj;
-                    const uint16_t *kr = k + j * k_stride + g * dim, *vr = v + j * v_stride + g * dim;
-                    for (int64_t d = 0; d < dimp; d++) {
-                        if (d < dim) kd[((d >> 1) * FK + jj) * 2 + (d & 1)] = j < kv_len ? kr[d] : 0;
-                        vd[((jj >> 1) * dimp + d) * 2 + (jj & 1)] = j < kv_len && d < dim ? vr[d] : 0;
+                    for (int64_t i = 0; i < dim / 2; i++) {
+                        uint32_t pair = 0;
+                        if (j < kv_len) memcpy(&pair, k + j * k_stride + g * dim + 2 * i, 4);
+                        kd[i * FK + jj] = pair;
+                    }
+                }
+                for (int64_t t = 0; t < FK / 2; t++) {
+                    const int64_t j = b * FK + 2 * t;
+                    uint32_t *row = vd + t * dimp;
+                    for (int64_t d = 0; d < dimp; d++) row[d] = 0;
+                    if (j < kv_len) {
+                        const uint16_t *v0 = v + j * v_stride + g * dim;
+                        for (int64_t d = 0; d < dim; d++) row[d] = v0[d];
+                    }
+                    if (j + 1 < kv_len) {
+                        const uint16_t *v1 = v + (j + 1) * v_stride + g * dim;
+                        for (int64_t d = 0; d < dim; d++) row[d] |= (uint32_t)v1[d] << 16;
                     }
                 }
             }
