@@ -317,7 +317,7 @@ class Avx512Kernels:
         tower), else query i sees keys 0 .. causal_offset + i. [q_len, heads, dim] bf16, or None
         where the kernel does not apply (prefill_kernel_applies). The arithmetic of torch's CPU
         flash kernel, both products by vdpbf16ps; Qwen2-VL-2B's vision attention (1024 patches, 16
-        heads of 80) on the Zen 4 machine, 2 threads: 18.3 ms against SDPA's 38.3 (docs/benchmarks.md)."""
+        heads of 80) on the Zen 4 machine, 2 threads: 17.0-17.4 ms against SDPA's 33.5 (docs/benchmarks.md)."""
         if not prefill_kernel_applies(q, k, v):
             return None
         q_len, num_heads, dim = q.shape
