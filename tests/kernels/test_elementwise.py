@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vlmserve.kernels import cpu
 from vlmserve.kernels.cpu import load_avx512_kernels, load_cpu_kernels
-from vlmserve.models import layers
 from vlmserve.models.layers import (
     RMSNorm,
     SiluAndMul,
@@ -124,7 +124,7 @@ SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0, 
 def test_mlp_activations_round_as_torchs_bf16_ops(rows: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     assert avx512 is not None
     monkeypatch.delenv("VLMSERVE_CPU_PATH", raising=False)
-    monkeypatch.setattr(layers, "load_avx512_kernels", lambda: avx512)  # the instance watched here
+    monkeypatch.setattr(cpu, "load_avx512_kernels", lambda: avx512)  # the instance watched here
     calls: list[str] = []
     for name in ("quick_gelu", "silu_and_mul"):
         real = getattr(avx512, name)
@@ -151,7 +151,7 @@ def test_mlp_activations_keep_torch_for_float32_and_another_forced_path(monkeypa
     def refuse(x: torch.Tensor) -> torch.Tensor:
         raise AssertionError("the AVX-512 activation ran")
 
-    monkeypatch.setattr(layers, "load_avx512_kernels", lambda: avx512)
+    monkeypatch.setattr(cpu, "load_avx512_kernels", lambda: avx512)
     monkeypatch.setattr(avx512, "quick_gelu", refuse)
     monkeypatch.setattr(avx512, "silu_and_mul", refuse)
     x = torch.randn(4, 64)

@@ -127,7 +127,7 @@ def test_the_backend_runs_vision_segments_and_prefill_chunks_through_the_kernel(
     # A prefill chunk over earlier tokens: query i at position 263 + i.
     calls.clear()
     q, k, v = inputs(37, 300, 4, 2, 64, seed=6)
-    got = backend._sdpa(q, k, v, 0.125, causal_offset=263)
+    got = backend._attend(q, k, v, 0.125, causal_offset=263)
     assert calls == [263]
     ref, largest = reference(q, k, v, 0.125, 263)
     assert ((got.double() - ref).abs() <= 2.0**-8 * (ref.abs() + largest) * 1.01 + 1e-5).all()

@@ -62,13 +62,13 @@ def _cpu_decode_kernel() -> DecodeKernel | None:
     """The vlmserve decode attention kernel for this CPU: the AVX-512 BF16 one where the CPU has it
     and it applies (bf16, head_dim a multiple of 32), unless VLMSERVE_CPU_PATH forces the avx2 or
     torch path; the AVX2 one otherwise; None where the kernels do not build."""
-    from vlmserve.kernels.cpu import load_avx512_kernels, load_cpu_kernels
-    from vlmserve.kernels.dispatch import forced_path
+    from vlmserve.kernels.cpu import load_cpu_kernels
+    from vlmserve.kernels.dispatch import avx512_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None:
         return None
-    avx512 = load_avx512_kernels() if forced_path() in (None, "avx512") else None
+    avx512 = avx512_kernels()
     if avx512 is None:
         return kernels.decode_attention
     fast, general = avx512.decode_attention, kernels.decode_attention
@@ -86,10 +86,9 @@ def _cpu_prefill_kernel() -> PrefillKernel | None:
     """The AVX-512 BF16 flash kernel for prefill and vision attention where the CPU has it (torch's
     SDPA where it declines: not bf16, odd head_dim), unless VLMSERVE_CPU_PATH forces the avx2 or
     torch path; None otherwise (SDPA)."""
-    from vlmserve.kernels.cpu import load_avx512_kernels
-    from vlmserve.kernels.dispatch import forced_path
+    from vlmserve.kernels.dispatch import avx512_kernels
 
-    avx512 = load_avx512_kernels() if forced_path() in (None, "avx512") else None
+    avx512 = avx512_kernels()
     return None if avx512 is None else avx512.prefill_attention
 
 

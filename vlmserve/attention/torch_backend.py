@@ -68,7 +68,7 @@ class TorchAttentionBackend:
                 keys, values = k[start:end], v[start:end]
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
-            out[start:end] = self._sdpa(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
+            out[start:end] = self._attend(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
         if decode_rows and self.decode_kernel is not None:
             if len(decode_rows) == q.shape[0]:
                 # A decode step: every token is its sequence's one new token, in order; no gathering.
@@ -102,16 +102,21 @@ class TorchAttentionBackend:
         values = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values  # [seq_len, num_kv_heads, head_dim]
 
-    def _sdpa(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal_offset: int | None
     ) -> torch.Tensor:
+        """q [q_len, heads, dim] over keys, values [kv_len, kv_heads, dim]: every key with
+        causal_offset None, else query j sees keys 0 .. causal_offset + j. The prefill kernel where
+        there is one and it takes the inputs, SDPA otherwise."""
         if self.prefill_kernel is not None:
             out = self.prefill_kernel(q, keys, values, scale, causal_offset)
             if out is not None:
                 return out
         q_len, kv_len = q.shape[0], keys.shape[0]
         mask = None
-        if causal_offset == 0:
+        if causal_offset is None:
+            causal = False
+        elif causal_offset == 0:
             causal = q_len > 1
         else:
             # Query j sits at position causal_offset + j and sees keys 0 .. causal_offset + j.
@@ -170,16 +175,5 @@ class TorchAttentionBackend:
         (the vision tower: one segment per image frame). q, k, v: [num_tokens, num_heads, head_dim]."""
         out = torch.empty_like(q)
         for start, end in itertools.pairwise(cu_seqlens):
-            if self.prefill_kernel is not None:
-                o = self.prefill_kernel(q[start:end], k[start:end], v[start:end], scale, None)
-                if o is not None:
-                    out[start:end] = o
-                    continue
-            o = F.scaled_dot_product_attention(  # 4-D: see _sdpa
-                q[None, start:end].transpose(1, 2),
-                k[None, start:end].transpose(1, 2),
-                v[None, start:end].transpose(1, 2),
-                scale=scale,
-            )
-            out[start:end] = o[0].transpose(0, 1)
+            out[start:end] = self._attend(q[start:end], k[start:end], v[start:end], scale, causal_offset=None)
         return out

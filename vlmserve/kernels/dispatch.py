@@ -31,12 +31,15 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels.op import LinearOp
+
+if TYPE_CHECKING:
+    from vlmserve.kernels.cpu import Avx512Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,14 @@ def forced_path() -> str | None:
     if value not in PATHS:
         raise ValueError(f"{ENV_PATH}={value!r} is not a CPU linear path; choose one of {', '.join(PATHS)} or auto")
     return value
+
+
+def avx512_kernels() -> Avx512Kernels | None:
+    """The AVX-512 BF16 kernels (kernels/cpu.py's Avx512Kernels) for the attention and activations
+    beside the linear layers: None where they do not build or VLMSERVE_CPU_PATH forces avx2/torch."""
+    from vlmserve.kernels.cpu import load_avx512_kernels
+
+    return load_avx512_kernels() if forced_path() in (None, "avx512") else None
 
 
 def table_choice(paths: Iterable[str], bucket: Bucket) -> str:

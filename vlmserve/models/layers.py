@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import LinearOp
-from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_avx512_kernels, load_cpu_kernels
-from vlmserve.kernels.dispatch import forced_path
+from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_cpu_kernels
+from vlmserve.kernels.dispatch import avx512_kernels
 
 
 class Linear(nn.Linear):
@@ -135,7 +135,7 @@ def _avx512_activations(x: torch.Tensor) -> Avx512Kernels | None:
     """The AVX-512 kernels of the MLP activations where they apply: bf16 on the CPU, last dim
     contiguous, the kernels built, and no other CPU path forced (VLMSERVE_CPU_PATH=avx2/torch)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1 and x.numel():
-        return load_avx512_kernels() if forced_path() in (None, "avx512") else None
+        return avx512_kernels()
     return None
 
 
