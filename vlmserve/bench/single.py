@@ -56,7 +56,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
             add(t)
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, t in tensors:
-        if name.startswith("visual") or "embed_tokens" in name or t.device.type == "meta":
+        if "visual" in name.split(".") or "embed_tokens" in name or t.device.type == "meta" or t.is_mkldnn:
             continue
         add(t)
     return total

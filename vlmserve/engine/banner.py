@@ -13,6 +13,7 @@ import torch
 from vlmserve.engine.core import EngineCore
 from vlmserve.kernels.dispatch import describe_linear_op
 from vlmserve.models.layers import bound_linear_op
+from vlmserve.models.prepack import prepacked_layers
 
 # The x86 features vlmserve's CPU kernels and torch's bf16 paths care about.
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
@@ -50,6 +51,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     graphs = core.runner.decode_graphs if in_process else None
     tp, nnodes = core.config.tensor_parallel_size, core.config.nnodes
     linear = bound_linear_op(core.model) if in_process else None
+    packed = prepacked_layers(core.model) if in_process else 0
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
@@ -67,7 +69,8 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
             else "none"
             if linear is None
             else describe_linear_op(linear)
-        ),
+        )
+        + (f"; vision tower: oneDNN, {packed} layers' weights prepacked" if packed else ""),
         "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
     }
 

@@ -51,6 +51,11 @@ class VLModel(nn.Module):
     def tie_weights(self) -> None:
         """Called once the parameters are allocated, before the weights are loaded."""
 
+    def vision_encoder(self) -> nn.Module | None:
+        """The module that encodes images (run only on whole images: many rows at a time)."""
+        tower = getattr(self, "visual", None)
+        return tower if isinstance(tower, nn.Module) else None
+
 
 def item_rows(encoded: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Placeholder rows [lo, hi) of an encoder output (either form embed_multimodal returns)."""

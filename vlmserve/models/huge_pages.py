@@ -59,7 +59,7 @@ def _storage_groups(model: nn.Module) -> dict[int, list[torch.Tensor]]:
     groups: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen or tensor.device.type != "cpu":
+        if id(tensor) in seen or tensor.device.type != "cpu" or tensor.is_mkldnn:  # oneDNN's own memory
             continue
         seen.add(id(tensor))
         storage = tensor.untyped_storage()

@@ -10,6 +10,7 @@ from torch import nn
 from vlmserve.kernels import LinearOp
 from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_cpu_kernels
 from vlmserve.kernels.dispatch import avx512_kernels
+from vlmserve.kernels.onednn import prepacked_linear
 
 
 class Linear(nn.Linear):
@@ -32,13 +33,16 @@ def bind_linear_op(model: nn.Module, op: LinearOp) -> None:
 
 
 def bound_linear_op(model: nn.Module) -> LinearOp | None:
-    """The op bind_linear_op bound (the first Linear layer's), None for a model without one."""
-    return next((m.op for m in model.modules() if isinstance(m, Linear)), None)
+    """The op bind_linear_op bound (the first Linear layer's outside a prepacked vision tower),
+    None for a model without one."""
+    return next((m.op for m in model.modules() if isinstance(m, Linear) and m.op is not prepacked_linear), None)
 
 
-def linear_shapes(model: nn.Module) -> set[tuple[int, int]]:
-    """The (out, in) shapes of the model's Linear layers: what the linear op is chosen for."""
-    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear)}
+def linear_shapes(model: nn.Module, exclude: nn.Module | None = None) -> set[tuple[int, int]]:
+    """The (out, in) shapes of the model's Linear layers (but those inside `exclude`): what the
+    linear op is chosen for."""
+    skip = set() if exclude is None else {id(m) for m in exclude.modules()}
+    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear) and id(m) not in skip}
 
 
 def _cpu_bf16_kernels(*tensors: torch.Tensor) -> CpuKernels | None:

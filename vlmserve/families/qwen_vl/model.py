@@ -226,6 +226,9 @@ class QWenLMHeadModel(VLModel):
 
     # -- the model protocol -------------------------------------------------------------------
 
+    def vision_encoder(self) -> nn.Module:
+        return self.transformer.visual
+
     def embed_multimodal(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Encode the images in one batch; one [256, hidden] tensor per item, for the 256 positions
         between its <img> and </img>."""
