@@ -1,7 +1,8 @@
 """The element-wise CPU kernels (cpu_linear.c) against the torch expressions they replace in
 models/layers.py: residual add + RMSNorm, and rotary embedding on strided q/k views of a fused
-qkv output (bf16 rounding after every op; the vision towers' fp32 variant); and the MLP
-activations of cpu_linear_avx512.c (quick_gelu, SwiGLU) where the CPU has AVX-512 BF16."""
+qkv output (bf16 rounding after every op; the vision towers' fp32 variant; the scalar kernel and
+cpu_linear_avx512.c's); and the MLP activations of cpu_linear_avx512.c (quick_gelu, SwiGLU) where
+the CPU has AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -71,10 +72,18 @@ def _qkv(rows: int, nq: int, nk: int, d: int, seed: int) -> torch.Tensor:
     return (torch.randn(rows, (nq + 2 * nk) * d, generator=g) * 3).bfloat16()
 
 
+@pytest.fixture(params=["auto", "avx2"])
+def rotary_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The rotary kernel under test: the AVX-512 one where it builds ("auto"), and the scalar one of
+    cpu_linear.c (VLMSERVE_CPU_PATH=avx2 turns the AVX-512 kernels off)."""
+    monkeypatch.setenv("VLMSERVE_CPU_PATH", request.param)
+    return request.param
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 33])
-def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int) -> None:
-    nq, nk, d = 12, 2, 128
+@pytest.mark.parametrize(("rows", "d"), [(1, 128), (3, 128), (33, 128), (33, 72)])  # 72: a masked tail of 4 lanes
+def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int, d: int, rotary_path: str) -> None:
+    nq, nk = 12, 2
     qkv = _qkv(rows, nq, nk, d, rows)
     q, k, v = qkv.split([nq * d, nk * d, nk * d], dim=-1)
     q, k = q.view(rows, nq, d), k.view(rows, nk, d)
@@ -88,8 +97,9 @@ def test_rotary_in_place_on_qkv_views_equals_torchs_bf16_ops(rows: int) -> None:
 
 
 @needs_kernels
-def test_vision_rotary_in_fp32_equals_the_reference_expression() -> None:
-    rows, heads, d = 70, 16, 80
+@pytest.mark.parametrize("d", [80, 104])  # Qwen2-VL's and Qwen-VL's vision heads: tails of 8 and 4 lanes
+def test_vision_rotary_in_fp32_equals_the_reference_expression(d: int, rotary_path: str) -> None:
+    rows, heads = 70, 16
     qkv = _qkv(rows, heads, heads, d, 7)
     q, k, v = qkv.view(rows, 3, heads, d).unbind(1)  # the vision towers' layout: rows 3 * heads * d apart
     angles = torch.rand(rows, d, generator=torch.Generator().manual_seed(2)) * 40

@@ -118,9 +118,10 @@ def apply_rotary_qk_fp32(
 
 def _rotary_kernels(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos_dtype: torch.dtype
-) -> CpuKernels | None:
+) -> CpuKernels | Avx512Kernels | None:
     """The CPU kernels where their rotary applies to these tensors: bf16 q, k with contiguous heads,
-    cos and sin [n, D] contiguous in `cos_dtype` (the arithmetic the caller asks for)."""
+    cos and sin [n, D] contiguous in `cos_dtype` (the arithmetic the caller asks for); the AVX-512
+    ones where they build and no other path is forced (the same results, 16 lanes at a time)."""
     d = q.shape[-1]
     applies = (
         cos.dtype == sin.dtype == cos_dtype
@@ -132,7 +133,8 @@ def _rotary_kernels(
         and cos.shape == sin.shape == (q.shape[0], d)
         and d % 2 == 0
     )
-    return _cpu_bf16_kernels(q, k) if applies else None
+    kernels = _cpu_bf16_kernels(q, k) if applies else None
+    return None if kernels is None else avx512_kernels() or kernels
 
 
 def _avx512_activations(x: torch.Tensor) -> Avx512Kernels | None:
