@@ -23,6 +23,23 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* The rotary kernels' loop over tokens (cpu_linear.c's scalar rotate and cpu_linear_avx512.c's):
+ * each token's q heads then k heads rotated by `rotate` with the token's cos, sin rows (bf16 or
+ * fp32 items), tokens split among the threads. */
+typedef void (*rotate_heads_fn)(uint16_t *x, const void *c, const void *s, int64_t heads, int64_t D, int cos_bf16);
+
+static inline void rotary_tokens(rotate_heads_fn rotate, uint16_t *q, uint16_t *k, int64_t q_stride,
+                                 int64_t k_stride, const void *cos, const void *sin, int64_t M, int64_t nq,
+                                 int64_t nk, int64_t D, int64_t cos_bf16) {
+    const int64_t item = cos_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        const char *c = (const char *)cos + m * D * item, *s = (const char *)sin + m * D * item;
+        rotate(q + m * q_stride, c, s, nq, D, (int)cos_bf16);
+        rotate(k + m * k_stride, c, s, nk, D, (int)cos_bf16);
+    }
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 

@@ -375,13 +375,7 @@ static void rotate_heads(uint16_t *x, const void *c, const void *s, int64_t head
 
 void vlm_rotary_qk_bf16(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const void *cos,
                         const void *sin, int64_t M, int64_t nq, int64_t nk, int64_t D, int64_t cos_bf16) {
-    const int64_t item = cos_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        const char *c = (const char *)cos + m * D * item, *s = (const char *)sin + m * D * item;
-        rotate_heads(q + m * q_stride, c, s, nq, D, (int)cos_bf16);
-        rotate_heads(k + m * k_stride, c, s, nk, D, (int)cos_bf16);
-    }
+    rotary_tokens(rotate_heads, q, k, q_stride, k_stride, cos, sin, M, nq, nk, D, cos_bf16);
 }
 
 /*
