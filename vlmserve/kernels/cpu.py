@@ -123,6 +123,15 @@ def prefill_kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     )
 
 
+def _rotary_qk_(fn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Either rotary kernel (cpu_linear.c's, cpu_linear_avx512.c's: the same arguments) in place."""
+    n, nq, d = q.shape
+    fn(
+        q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d,
+        int(cos.dtype == torch.bfloat16),
+    )  # fmt: skip
+
+
 def _decode_attention(
     fn: Any,
     q: torch.Tensor,
@@ -229,11 +238,7 @@ class CpuKernels:
         """Rotate-half rotary embedding in place: q [n, nq, D], k [n, nk, D] bf16 with contiguous
         heads (rows may be strided: views of a fused qkv output); cos, sin [n, D] contiguous, bf16
         (each op rounds to bf16, as torch's bf16 ops) or fp32 (fp32 arithmetic, one rounding)."""
-        n, nq, d = q.shape
-        self._lib.vlm_rotary_qk_bf16(
-            q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d,
-            int(cos.dtype == torch.bfloat16),
-        )  # fmt: skip
+        _rotary_qk_(self._lib.vlm_rotary_qk_bf16, q, k, cos, sin)
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Per row of bf16 [rows, vocab] logits, torch.argmax of their fp32 values (the first
@@ -332,11 +337,7 @@ class Avx512Kernels:
 
     def rotary_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """CpuKernels.rotary_qk_ 16 lanes at a time, the same results bit for bit."""
-        n, nq, d = q.shape
-        self._lib.vlm_rotary_qk_avx512(
-            q.data_ptr(), k.data_ptr(), q.stride(0), k.stride(0), cos.data_ptr(), sin.data_ptr(), n, nq, k.shape[1], d,
-            int(cos.dtype == torch.bfloat16),
-        )  # fmt: skip
+        _rotary_qk_(self._lib.vlm_rotary_qk_avx512, q, k, cos, sin)
 
     def quick_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """x * sigmoid(1.702 x) of bf16 [..., n] with contiguous rows, rounded as torch's bf16 ops."""

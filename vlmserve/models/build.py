@@ -12,13 +12,11 @@ import torch
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
-from vlmserve.kernels.dispatch import forced_path
-from vlmserve.kernels.onednn import prepack_available
 from vlmserve.model_files import count_weights, iterate_weights
 from vlmserve.models.base import VLModel
 from vlmserve.models.huge_pages import move_to_huge_pages
 from vlmserve.models.layers import bind_linear_op, linear_shapes
-from vlmserve.models.prepack import prepack_linear_layers
+from vlmserve.models.prepack import prepack_linear_layers, prepacks_vision
 from vlmserve.models.quant import read_packed_config, resolve_quantization
 from vlmserve.models.quant.packed import dequantize_weights
 from vlmserve.progress import progress
@@ -72,14 +70,12 @@ def build_model(
             len(names),
             kernel.describe() if kernel is not None else "dequantize per call",
         )
-    tower = model.vision_encoder() if device.type == "cpu" and dtype == torch.bfloat16 and prepack_available() else None
-    if tower is not None and forced_path() in (None, "torch"):
-        # The vision tower runs on oneDNN with its weights reordered once (models/prepack.py);
-        # only the other layers' shapes are measured for the dispatch.
-        bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=tower)))
+    # The vision tower runs on oneDNN with its weights reordered once (models/prepack.py); only the
+    # other layers' shapes are measured for the dispatch.
+    tower = model.vision_encoder() if prepacks_vision(device, dtype) else None
+    bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=tower)))
+    if tower is not None:
         logger.info("vision tower: %d linear layers on oneDNN, weights prepacked", prepack_linear_layers(tower))
-    else:
-        bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model)))
     if device.type == "cpu":
         move_to_huge_pages(model)  # after the reorder: the plain vision weights are freed, not moved
     model.eval()

@@ -24,10 +24,18 @@ import logging
 import torch
 from torch import nn
 
-from vlmserve.kernels.onednn import prepacked_linear, reorder_weight
+from vlmserve.kernels.dispatch import forced_path
+from vlmserve.kernels.onednn import prepack_available, prepacked_linear, reorder_weight
 from vlmserve.models.layers import Linear
 
 logger = logging.getLogger(__name__)
+
+
+def prepacks_vision(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model built for this device and dtype runs its vision tower prepacked: bf16 on the
+    CPU, oneDNN's reorder available, and no vlmserve kernel path forced (VLMSERVE_CPU_PATH=avx2 or
+    avx512 keep every linear layer on that kernel)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and forced_path() in (None, "torch") and prepack_available()
 
 
 def prepack_linear_layers(module: nn.Module) -> int:
