@@ -31,6 +31,11 @@ class AttentionMetadata:
     has_initial_state: list[bool] | None = None  # [num_seqs]
     # query_start_loc on the device, where the caller keeps one (a CUDA graph's persistent buffer).
     query_start_loc_device: torch.Tensor | None = None  # [num_seqs + 1] int32
+    # The rows whose hidden states the step uses (sampled and prompt-logprob rows), ascending, where
+    # fewer than all and the model prunes (VLModel.prunes_output_rows): its last layer, past
+    # attention (which still writes every token's K and V), computes only these, and the forward
+    # returns only their hidden states, in this order.
+    output_rows: torch.Tensor | None = None  # [num_output_rows] int64, on the device
 
     @property
     def num_seqs(self) -> int:

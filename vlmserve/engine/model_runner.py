@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -262,9 +262,16 @@ class ModelRunner:
             # A decode step (one token per request, no image rows): replay a captured graph.
             hidden = graphs.run(token_ids, torch.cat(positions, dim=1), slots, seq_lens, block_rows)
         else:
+            output_rows = self._output_rows(len(token_ids), sample_rows, prompt_rows)
             meta = self._metadata(
                 slots, query_start_loc, seq_lens, block_rows, self.block_size, state_slots, has_initial_state
             )
+            if output_rows is not None:
+                meta = replace(meta, output_rows=torch.tensor(output_rows, dtype=torch.long, device=self.device))
+                # the hidden states come back for these rows only: the rows are renumbered
+                place = {row: i for i, row in enumerate(output_rows)}
+                sample_rows = [place[r] for r in sample_rows]
+                prompt_rows.rows = [place[r] for r in prompt_rows.rows]
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), mm_spans)
             self._copy_states(step.load_states)
@@ -325,6 +332,17 @@ class ModelRunner:
             for layer in self.state_layers:
                 for state in layer.states:
                     state.index_copy_(0, dst, state.index_select(0, src))
+
+    def _output_rows(
+        self, num_tokens: int, sample_rows: list[int], prompt_rows: PromptLogprobsRows
+    ) -> list[int] | None:
+        """The rows whose hidden states this step uses, ascending, where that is fewer than all and
+        the model can skip the others in its last layer; else None. A step that uses none (a
+        prompt's middle chunk) keeps its last row: no product runs on zero rows."""
+        if not self.model.prunes_output_rows:
+            return None
+        rows = sorted(set(sample_rows).union(prompt_rows.rows)) or [num_tokens - 1]
+        return rows if len(rows) < num_tokens else None
 
     def _metadata(
         self,

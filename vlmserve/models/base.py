@@ -12,6 +12,10 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class VLModel(nn.Module):
+    # Whether forward honours AttentionMetadata.output_rows (then returns only those rows' hidden
+    # states): a prompt's other rows need no output projection and MLP in the last layer.
+    prunes_output_rows = False
+
     def embed_multimodal(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
         """Per item, what replaces its placeholder tokens: a [item.length, hidden] tensor, or for a
         family that also injects the item deeper into the decoder (Qwen3-VL's DeepStack) a
@@ -31,7 +35,8 @@ class VLModel(nn.Module):
         layer_extras: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """layer_extras: [num_extra_layers, num_tokens, hidden] from place_multimodal, None when
-        no item of the step has per-layer extras."""
+        no item of the step has per-layer extras. -> [num_tokens, hidden], or with attn.output_rows
+        set (a family that prunes) [len(output_rows), hidden]."""
         raise NotImplementedError
 
     @staticmethod

@@ -53,14 +53,23 @@ class Qwen2Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """keep: only these rows' outputs (every row's K and V are still written)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rotary_qk(
             q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), cos, sin
         )
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, meta))
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class Qwen2MLP(nn.Module):
@@ -85,8 +94,17 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), cos, sin, meta))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """keep: rows past attention (the last layer's, AttentionMetadata.output_rows)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, keep)
+        x, h = self.post_attention_layernorm.add(x if keep is None else x[keep], attn)
         return x + self.mlp(h)
 
 
@@ -102,6 +120,7 @@ class Qwen2Model(nn.Module):
         """inputs_embeds: [num_tokens, hidden]; positions: [3, num_tokens] -> [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         h = inputs_embeds
-        for layer in self.layers:
-            h = layer(h, cos, sin, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, meta.output_rows if i == last else None)
         return self.norm(h)

@@ -21,6 +21,7 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
+    prunes_output_rows = True  # the last layer computes only AttentionMetadata.output_rows
     # Built from (config.vision, backend); maps (pixel_values, grid_thw) to the merged embeddings.
     # Qwen2.5-VL swaps in its windowed tower.
     vision_tower: ClassVar[type[nn.Module]] = Qwen2VisionTransformer

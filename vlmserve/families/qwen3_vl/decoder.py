@@ -78,13 +78,22 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """keep: only these rows' outputs (every row's K and V are still written)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, meta))
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class Qwen3MLP(nn.Module):
@@ -185,8 +194,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """keep: rows past attention (the last layer's, AttentionMetadata.output_rows)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, keep)
+        x = (x if keep is None else x[keep]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,8 +232,11 @@ class Qwen3Model(nn.Module):
         [k, num_tokens, hidden] added after layers 0..k-1 -> [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         h = inputs_embeds
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta)
+            keep = meta.output_rows if i == last else None
+            h = layer(h, cos, sin, meta, keep)
             if layer_extras is not None and i < layer_extras.shape[0]:
-                h = h + layer_extras[i]  # zero rows at text tokens: x + 0 is x exactly
+                # zero rows at text tokens: x + 0 is x exactly
+                h = h + (layer_extras[i] if keep is None else layer_extras[i][keep])
         return self.norm(h)

@@ -21,6 +21,8 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class Qwen3VLForConditionalGeneration(VLModel):
+    prunes_output_rows = True  # the last layer computes only AttentionMetadata.output_rows
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         family = config.family_config
