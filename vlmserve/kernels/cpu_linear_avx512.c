@@ -530,17 +530,23 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
  * the fp32 results may differ from torch's by an ulp or so, which the rounding to bf16 hides but
  * for a value within that of a rounding boundary.
  */
-static inline __m256i f32x16_bf16(__m512 f) {
+/* f rounded to bf16 (nearest even; NaN: torch's one quiet NaN, 0x7fc0), in the upper half of
+ * each 32-bit lane (the lower half: carry bits) */
+static inline __m512i bf16_upper(__m512 f) {
     const __m512i bits = _mm512_castps_si512(f);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    /* NaN: torch's one quiet NaN, 0x7fc0 */
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
 }
 
+static inline __m256i f32x16_bf16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_upper(f), 16));
+}
+
+/* f rounded to bf16 and widened back: the low half cleared, no narrowing and widening (the
+ * activations' intermediate roundings; vpmovdw alone is two operations on Zen 4) */
 static inline __m512 round_bf16(__m512 f) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_bf16(f)), 16));
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_upper(f), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 static inline __m512 load_bf16_masked(const uint16_t *p, __mmask16 mask) {
