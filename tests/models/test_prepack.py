@@ -1,7 +1,8 @@
-"""The vision towers' weights reordered once for oneDNN (models/prepack.py): on a bf16 CPU model
-every Linear layer of the vision tower, and only those, runs on the reordered weight, with the
-outputs of the plain weight bit for bit; VLMSERVE_PREPACK=0 and a forced AVX2/AVX-512 path keep
-the plain weights."""
+"""Weights reordered once for oneDNN (models/prepack.py): on a bf16 CPU model every Linear layer of
+the vision tower runs oneDNN's product on the reordered weight, with the outputs of the plain
+weight bit for bit; the decoder's layers (but a tied lm_head) run on the same layout, vlmserve's
+kernel for few rows, no further from float32 than the plain weights; VLMSERVE_PREPACK=0 and a
+forced AVX2/AVX-512 path keep the plain weights."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from PIL import Image
 
 from tests.model_harness import Harness
 from tests.models.test_qwen2_vl import _two_image_prompt
-from vlmserve.kernels.dispatch import available_paths
-from vlmserve.kernels.onednn import prepack_available, prepacked_linear
+from vlmserve.kernels.dispatch import available_paths, avx512_kernels
+from vlmserve.kernels.onednn import packed_linear, prepack_available, prepacked_linear
 from vlmserve.models.layers import Linear, bound_linear_op
 from vlmserve.models.prepack import prepack_linear_layers, prepacked_layers
 
@@ -42,22 +43,55 @@ def test_prepacked_product_equals_f_linear(rows: int, out_features: int, in_feat
     assert prepack_linear_layers(layer) == 0  # already reordered: left as it is
 
 
-def test_vision_tower_prepacked_with_identical_logits(
+def _decoder(model: torch.nn.Module) -> list[Linear]:
+    tower = {id(m) for m in model.visual.modules()}
+    return [m for m in _linears(model) if id(m) not in tower]
+
+
+def test_vision_tower_and_decoder_prepacked(
     tiny_dir: Path, images: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt, _ = _two_image_prompt(tiny_dir, images)
     packed = Harness(tiny_dir, torch.bfloat16)
-    tower = _linears(packed.model.visual)
+    model = packed.model
+    tower = _linears(model.visual)
     assert tower and all(m.weight.is_mkldnn and m.op is prepacked_linear for m in tower)
-    assert prepacked_layers(packed.model) == len(tower)
-    rest = [m for m in _linears(packed.model) if m not in tower]
-    assert rest and not any(m.weight.is_mkldnn for m in rest)
-    assert bound_linear_op(packed.model) is rest[0].op  # what the banner describes: the decoder's op
+    assert prepacked_layers(model) == len(tower)
+    decoder = _decoder(model)
+    head = model.lm_head
+    assert head in decoder and head.weight is model.model.embed_tokens.weight  # tied
+    if avx512_kernels() is None:
+        pytest.skip("no AVX-512 BF16 kernels: the decoder keeps plain weights (test_a_forced_kernel_path...)")
+    # every decoder layer on the reordered layout but the tied lm_head, whose rows the embedding reads
+    assert not head.weight.is_mkldnn
+    rest = [m for m in decoder if m is not head]
+    assert rest and all(m.weight.is_mkldnn and m.op is packed_linear for m in rest)
+    assert prepacked_layers(model, packed_linear) == len(rest)
+    assert bound_linear_op(model) is head.op  # what the banner describes beside the prepacked layers
 
     monkeypatch.setenv("VLMSERVE_PREPACK", "0")
     plain = Harness(tiny_dir, torch.bfloat16)
-    assert prepacked_layers(plain.model) == 0
-    assert torch.equal(packed.logits(prompt), plain.logits(prompt))
+    assert prepacked_layers(plain.model) == 0 and prepacked_layers(plain.model, packed_linear) == 0
+    with torch.inference_mode():
+        ours, theirs = model.embed_multimodal(prompt.mm_items), plain.model.embed_multimodal(prompt.mm_items)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)  # the vision tower: oneDNN on either layout, bit for bit
+    # The decoder sums in another order (vdpbf16ps over pairs of k): no further from the float32
+    # logits than the plain weights' kernels are, prefill and decode steps alike.
+    extra = [151643, 9707, 11, 1879]
+    ref = Harness(tiny_dir, torch.float32).logits(prompt, extra=extra)
+    ours, theirs = packed.logits(prompt, extra=extra).float(), plain.logits(prompt, extra=extra).float()
+    error, plain_error = (ours - ref).abs(), (theirs - ref).abs()
+    assert error.mean() <= 1.25 * plain_error.mean() and error.max() <= 1.5 * plain_error.max()
+    assert (ours[-5:].argmax(-1) == ref[-5:].argmax(-1)).all()
+
+
+def test_untied_lm_head_prepacked(tiny_untied_dir: Path) -> None:
+    if avx512_kernels() is None:
+        pytest.skip("no AVX-512 BF16 kernels")
+    model = Harness(tiny_untied_dir, torch.bfloat16).model
+    assert model.lm_head.weight.is_mkldnn and model.lm_head.op is packed_linear
+    assert bound_linear_op(model) is None  # every layer prepacked: nothing measured for the dispatch
 
 
 def test_qwen_vl_names_its_vision_tower(tiny_qwen_vl_dir: Path) -> None:
@@ -68,7 +102,7 @@ def test_qwen_vl_names_its_vision_tower(tiny_qwen_vl_dir: Path) -> None:
 
 
 def test_float32_keeps_plain_weights(tiny_dir: Path) -> None:
-    assert prepacked_layers(Harness(tiny_dir, torch.float32).model) == 0
+    assert not any(m.weight.is_mkldnn for m in _linears(Harness(tiny_dir, torch.float32).model))
 
 
 @pytest.mark.parametrize("path", ["avx512", "avx2"])
@@ -76,4 +110,6 @@ def test_a_forced_kernel_path_keeps_plain_weights(tiny_dir: Path, monkeypatch: p
     if path not in available_paths():
         pytest.skip(f"the {path} kernels do not build on this CPU")
     monkeypatch.setenv("VLMSERVE_CPU_PATH", path)
-    assert prepacked_layers(Harness(tiny_dir, torch.bfloat16).model) == 0
+    model = Harness(tiny_dir, torch.bfloat16).model
+    assert prepacked_layers(model) == 0 and prepacked_layers(model, packed_linear) == 0
+    assert not any(m.weight.is_mkldnn for m in _linears(model))

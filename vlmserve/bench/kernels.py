@@ -1,6 +1,9 @@
 """`python -m vlmserve.bench.kernels`: the CPU bf16 linear paths (kernels/dispatch.py: the AVX2
-kernel, the AVX-512 BF16 kernel, torch's F.linear) on Qwen2-VL-2B's decode shapes, for 1, 8 and
-32 rows (--rows to change), with the path the automatic choice (`build_dispatch`) takes.
+kernel, the AVX-512 BF16 kernel, torch's F.linear; and "packed": the weight reordered once for
+oneDNN, read by vlmserve's AVX-512 kernel up to PACKED_ROWS rows, oneDNN's product past that,
+kernels/onednn.py's packed_linear) on Qwen2-VL-2B's decode shapes, for 1, 8 and 32 rows (--rows to
+change), with the path a bf16 model built here takes ("auto": packed where models/prepack.py
+reorders the layer, else the dispatch's choice; the 2B's lm_head is tied to its embedding, so plain).
 
 Each timing runs over enough copies of the matrix (--stream-mb in all) that the weights come
 from memory, as a decode step's do, not from the caches; the time shown is per matrix. The
@@ -18,7 +21,8 @@ import torch
 
 from vlmserve.engine.banner import describe_cpu
 from vlmserve.kernels import LinearOp
-from vlmserve.kernels.dispatch import BUCKETS, available_paths, build_dispatch
+from vlmserve.kernels.dispatch import BUCKETS, available_paths, avx512_kernels, build_dispatch, forced_path
+from vlmserve.kernels.onednn import packed_layout, packed_linear, prepack_available, reorder_weight
 
 SHAPES = {
     "qkv_proj": (2048, 1536),
@@ -46,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     print(describe_cpu())
     ops = available_paths()
+    packs = prepack_available() and avx512_kernels() is not None and forced_path() is None
+    if packs:
+        ops["packed"] = packed_linear
     dispatch = build_dispatch([SHAPES[s] for s in args.shapes])
     choose = getattr(dispatch, "path_for", lambda shape, rows: "torch")
     print(f"paths here: {', '.join(ops)}; automatic choice: {getattr(dispatch, 'how', 'torch only')}")
@@ -57,18 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         n, k = SHAPES[name]
         copies = max(1, (args.stream_mb << 20) // (2 * n * k))
         weights = [(0.05 * torch.randn(n, k, generator=g)).bfloat16() for _ in range(copies)]
+        packed = packs and packed_layout(n, k)
+        reordered = [reorder_weight(w) for w in weights] if packed else []
+        shape_ops = {p: op for p, op in ops.items() if p != "packed" or packed}
         for m in args.rows:
             x = torch.randn(m, k, generator=g).bfloat16()
-            times: dict[str, list[float]] = {p: [] for p in ops}
-            for op in ops.values():
-                op(x, weights[0], None)  # warm-up
+            times: dict[str, list[float]] = {p: [] for p in shape_ops}
             for _ in range(args.rounds):
-                for path, op in ops.items():
-                    times[path].append(_per_matrix(op, x, weights))
+                for path, op in shape_ops.items():
+                    mats = reordered if path == "packed" else weights
+                    op(x, mats[0], None)  # warm-up
+                    times[path].append(_per_matrix(op, x, mats))
             med = {path: statistics.median(ts) for path, ts in times.items()}
-            cells = " ".join(f"{med[p] * 1e3:9.3f} ({med['torch'] / med[p]:4.2f}x)" for p in ops)
-            print(f"{name:>13} {m:4d} {cells} {choose((n, k), m):>7}")
-        del weights
+            cells = " ".join(
+                f"{med[p] * 1e3:9.3f} ({med['torch'] / med[p]:4.2f}x)" if p in med else f"{'-':>16}" for p in ops
+            )
+            auto = "packed" if packed and name != "lm_head" else choose((n, k), m)
+            print(f"{name:>13} {m:4d} {cells} {auto:>7}")
+        del weights, reordered
     print("buckets: " + ", ".join(b.name for b in BUCKETS))
     return 0
 

@@ -23,6 +23,7 @@ from vlmserve.bench.run_hf import run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.workload import BenchRequest
 from vlmserve.entrypoints.llm import LLM
+from vlmserve.kernels.onednn import weight_address, weight_nbytes
 
 READ_BYTES = 1 << 30  # the buffer the bandwidth is measured on: far past every cache
 
@@ -46,9 +47,10 @@ def decode_weight_bytes(model: nn.Module) -> int:
 
     def add(t: torch.Tensor) -> None:
         nonlocal total
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        address = weight_address(t) if t.is_mkldnn else t.data_ptr()  # reordered for oneDNN: its memory
+        if address not in seen:
+            seen.add(address)
+            total += weight_nbytes(t) if t.is_mkldnn else t.numel() * t.element_size()
 
     head = getattr(model, "lm_head", None)
     if head is not None:
@@ -56,7 +58,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
             add(t)
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, t in tensors:
-        if "visual" in name.split(".") or "embed_tokens" in name or t.device.type == "meta" or t.is_mkldnn:
+        if "visual" in name.split(".") or "embed_tokens" in name or t.device.type == "meta":
             continue
         add(t)
     return total

@@ -12,6 +12,7 @@ import torch
 
 from vlmserve.engine.core import EngineCore
 from vlmserve.kernels.dispatch import describe_linear_op
+from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
 from vlmserve.models.layers import bound_linear_op
 from vlmserve.models.prepack import prepacked_layers
 
@@ -52,6 +53,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     tp, nnodes = core.config.tensor_parallel_size, core.config.nnodes
     linear = bound_linear_op(core.model) if in_process else None
     packed = prepacked_layers(core.model) if in_process else 0
+    decoder = prepacked_layers(core.model, packed_linear) if in_process else 0
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
@@ -63,14 +65,20 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
         + (f"; decode: CUDA graphs ({len(graphs.buckets)} batch sizes)" if graphs is not None else "")
         + ("; decode: vlmserve CPU kernel (paged, in place)" if decode_kernel is not None else "")
         + ("; prefill and vision: vlmserve AVX-512 BF16 flash kernel" if prefill_kernel is not None else ""),
-        "linear layers": (
-            "chosen in each rank process"
-            if not in_process
-            else "none"
-            if linear is None
-            else describe_linear_op(linear)
+        "linear layers": "; ".join(
+            (["chosen in each rank process"] if not in_process else [])
+            + ([describe_linear_op(linear)] if linear is not None else [])
+            + (
+                [
+                    f"decoder: {decoder} layers' weights prepacked for oneDNN (prefill), "
+                    f"vlmserve AVX-512 kernel on them up to {PACKED_ROWS} rows"
+                ]
+                if decoder
+                else []
+            )
+            + ([f"vision tower: oneDNN, {packed} layers' weights prepacked"] if packed else [])
         )
-        + (f"; vision tower: oneDNN, {packed} layers' weights prepacked" if packed else ""),
+        or "none",
         "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
     }
 

@@ -285,6 +285,8 @@ class Avx512Kernels:
         lib.vlm_activation_bf16_avx512.restype = None
         lib.vlm_rotary_qk_avx512.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
         lib.vlm_rotary_qk_avx512.restype = None
+        lib.vlm_linear_packed_avx512.argtypes = [p, p, p, p, i64, i64, i64]
+        lib.vlm_linear_packed_avx512.restype = ctypes.c_int
         self._lib = lib
         self.path = library
 
@@ -299,6 +301,22 @@ class Avx512Kernels:
             x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), x2.shape[0], n, k
         )
         return y.reshape(*x.shape[:-1], n)
+
+    def linear_packed(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_address: int, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """x [..., K] bf16 times a weight [N, K] in oneDNN's reordered layout (kernels/onednn.py),
+        read at weight_address (N a multiple of 64, K even), bias [N] bf16 -> [..., N] bf16 (fp32
+        sums, one rounding); None where the kernel declines (shape, alignment, memory)."""
+        k = x.shape[-1]
+        n = weight.shape[0]
+        x2 = x.reshape(-1, k).contiguous()
+        assert bias is None or bias.is_contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        failed = self._lib.vlm_linear_packed_avx512(
+            x2.data_ptr(), weight_address, 0 if bias is None else bias.data_ptr(), y.data_ptr(), x2.shape[0], n, k
+        )
+        return None if failed else y.reshape(*x.shape[:-1], n)
 
     def decode_attention(
         self,

@@ -16,6 +16,7 @@
  * flushing) differs from torch's bf16 F.linear: within one bf16 step of the fp32 product.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -613,4 +614,85 @@ static void rotate_heads_avx512(uint16_t *x, const void *c, const void *s, int64
 void vlm_rotary_qk_avx512(uint16_t *q, uint16_t *k, int64_t q_stride, int64_t k_stride, const void *cos,
                           const void *sin, int64_t M, int64_t nq, int64_t nk, int64_t D, int64_t cos_bf16) {
     rotary_tokens(rotate_heads_avx512, q, k, q_stride, k_stride, cos, sin, M, nq, nk, D, cos_bf16);
+}
+
+/*
+ * y[M, N] = x[M, K] w^T (+ b[N]), bf16, with w in the layout oneDNN reorders bf16 linear weights
+ * into (models/prepack.py): blocks of 64 output rows, each [K / 2][64][2], i.e. element (n, k) at
+ * (n / 64) 64 K + (k / 2) 128 + (n % 64) 2 + k % 2 (N a multiple of 64, K even; prepack.py checks
+ * the layout on the machine before it uses this). So one weight matrix serves both oneDNN's
+ * prefill products (no reorder per call) and these few-row products: for each pair of k, one
+ * 64-byte load holds 16 outputs' pairs, and one vdpbf16ps adds x's broadcast pair times them into
+ * 16 fp32 sums (no horizontal sums at the end, and the weights stream from memory in order).
+ * Arithmetic as vlm_linear_bf16_avx512: exact products, fp32 sums (in another order), the bias
+ * added in fp32, one rounding to bf16. x [M, K] contiguous.
+ */
+#define PMR 6    /* activation rows per pass: 4 x PMR sums, 4 weight vectors and a broadcast */
+#define PKC 512  /* pairs of k per chunk when rows take several passes: the block's chunk stays in L2 */
+
+static inline __attribute__((always_inline)) void packed_rows(const uint32_t *x32, int64_t kpairs_x,
+                                                              const uint16_t *wb, int64_t kp0, int64_t kp1,
+                                                              float *sums, const int mr) {
+    __m512 acc[PMR][4];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_load_ps(sums + r * 64 + c * 16);
+    for (int64_t kp = kp0; kp < kp1; kp++) {
+        const uint16_t *wp = wb + kp * 128;
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(wp), w1 = (__m512bh)_mm512_load_si512(wp + 32);
+        const __m512bh w2 = (__m512bh)_mm512_load_si512(wp + 64), w3 = (__m512bh)_mm512_load_si512(wp + 96);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x32[r * kpairs_x + kp]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(sums + r * 64 + c * 16, acc[r][c]);
+}
+
+int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
+                             int64_t N, int64_t K) {
+    if (N % 64 || K % 2 || ((uintptr_t)w & 63)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t kpairs = K / 2, blocks = N / 64;
+    const uint32_t *x32 = (const uint32_t *)x; /* K even: row m's pair kp is x32[m K / 2 + kp] */
+    /* each thread's sums of one block: M rows x 64 (the loads and stores of a pass's 4 x PMR) */
+    float *sums = aligned_alloc(64, (size_t)omp_get_max_threads() * (size_t)(M * 64 + 64) * sizeof(float));
+    if (sums == NULL) return -2;
+    const int64_t chunk = M <= PMR ? kpairs : PKC;
+#pragma omp parallel
+    {
+        float *s = sums + (int64_t)omp_get_thread_num() * (M * 64 + 64);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const uint16_t *wb = w + nb * 64 * K;
+            for (int64_t i = 0; i < M * 64; i++) s[i] = 0.0f;
+            for (int64_t kp0 = 0; kp0 < kpairs; kp0 += chunk) {
+                const int64_t kp1 = kp0 + chunk < kpairs ? kp0 + chunk : kpairs;
+                for (int64_t m0 = 0; m0 < M; m0 += PMR) {
+                    const uint32_t *xr = x32 + m0 * kpairs;
+                    float *sr = s + m0 * 64;
+                    switch (M - m0 < PMR ? M - m0 : PMR) {
+                    case 1: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 1); break;
+                    case 2: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 2); break;
+                    case 3: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 3); break;
+                    case 4: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 4); break;
+                    case 5: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 5); break;
+                    default: packed_rows(xr, kpairs, wb, kp0, kp1, sr, 6); break;
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int c = 0; c < 4; c++) {
+                    const int64_t n0 = nb * 64 + c * 16;
+                    __m512 v = _mm512_load_ps(s + m * 64 + c * 16);
+                    if (b) v = _mm512_add_ps(v, load_bf16_masked(b + n0, 0xffff));
+                    _mm256_storeu_si256((__m256i *)(y + m * N + n0), f32x16_bf16(v));
+                }
+        }
+    }
+    free(sums);
+    return 0;
 }

@@ -231,9 +231,12 @@ def measure(
 
 def build_dispatch(shapes: Iterable[tuple[int, int]]) -> LinearOp:
     """The bf16 linear op for a CPU model with Linear layers of these (out, in) shapes: F.linear
-    itself where torch is the only path, else a CpuLinearDispatch. Logs the choice once."""
+    itself where torch is the only path or no shape is left to choose for (every layer on weights
+    prepacked, models/prepack.py), else a CpuLinearDispatch. Logs the choice once."""
     shapes = sorted(set(shapes))
     ops = available_paths()
+    if not shapes:
+        return ops["torch"]
     forced = forced_path()
     if forced is not None and forced not in ops:
         logger.warning(

@@ -12,11 +12,12 @@ import torch
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
+from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
 from vlmserve.model_files import count_weights, iterate_weights
 from vlmserve.models.base import VLModel
 from vlmserve.models.huge_pages import move_to_huge_pages
 from vlmserve.models.layers import bind_linear_op, linear_shapes
-from vlmserve.models.prepack import prepack_linear_layers, prepacks_vision
+from vlmserve.models.prepack import packable_decoder_layers, prepack_linear_layers, prepacks_vision
 from vlmserve.models.quant import read_packed_config, resolve_quantization
 from vlmserve.models.quant.packed import dequantize_weights
 from vlmserve.progress import progress
@@ -70,12 +71,20 @@ def build_model(
             len(names),
             kernel.describe() if kernel is not None else "dequantize per call",
         )
-    # The vision tower runs on oneDNN with its weights reordered once (models/prepack.py); only the
-    # other layers' shapes are measured for the dispatch.
+    # The vision tower runs on oneDNN with its weights reordered once, and the decoder's layers on
+    # that layout where vlmserve's kernel reads it (models/prepack.py); only the other layers' shapes
+    # are measured for the dispatch.
     tower = model.vision_encoder() if prepacks_vision(device, dtype) else None
-    bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=tower)))
+    decoder = packable_decoder_layers(model, model.vision_encoder(), device, dtype)
+    bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=[tower, *decoder])))
     if tower is not None:
         logger.info("vision tower: %d linear layers on oneDNN, weights prepacked", prepack_linear_layers(tower))
+    if decoder:
+        logger.info(
+            "decoder: %d linear layers on weights prepacked for oneDNN (up to %d rows: vlmserve's AVX-512 kernel)",
+            prepack_linear_layers(decoder, packed_linear),
+            PACKED_ROWS,
+        )
     if device.type == "cpu":
         move_to_huge_pages(model)  # after the reorder: the plain vision weights are freed, not moved
     model.eval()

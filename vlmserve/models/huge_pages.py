@@ -19,14 +19,21 @@ memory is handed back to the host in large blocks, it took 4.4-5.1 s for the 2B 
 (start-up 7.3 -> 10.8-12.0 s) and ~1 s for the benchmark-size 0.8 GiB; on memory the kernel
 already holds it runs at copy speed. The time is logged.
 
+Weights reordered for oneDNN (models/prepack.py) live in oneDNN's own memory, which cannot be
+moved; where the kernel has MADV_COLLAPSE (Linux 6.1+) their memory is collapsed into huge pages in
+place. vlmserve's kernel on such a weight ([17920, 1536] bf16, one row, eight matrices in turn so
+none stays in the caches, Zen 4, 2 threads): 2.10-2.33 ms on 4 KiB pages, 1.78-2.04 on huge pages.
+
 VLMSERVE_HUGE_PAGES=0 turns it off (for comparisons).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +46,7 @@ HUGE_PAGE = 2 << 20
 # Smaller tensors (norms, biases, scales) are read from cache; they stay where they are.
 MIN_BYTES = 256 << 10
 _ALIGN = 4096
+_MADV_COLLAPSE = 25  # <linux/mman.h>, Linux 6.1
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -68,15 +76,49 @@ def _storage_groups(model: nn.Module) -> dict[int, list[torch.Tensor]]:
     return groups
 
 
+def _collapse_onednn_weights(model: nn.Module) -> int:
+    """Ask the kernel to back the 2 MiB-aligned stretches of the decoder's oneDNN weights (those
+    decode streams; the vision tower's products are compute-bound) with huge pages now: madvise
+    MADV_HUGEPAGE, then MADV_COLLAPSE, which copies them into huge pages. The bytes collapsed, 0
+    where the kernel cannot."""
+    from vlmserve.kernels.onednn import packed_linear, weight_address, weight_nbytes
+    from vlmserve.models.layers import Linear
+
+    if sys.platform != "linux":
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    total = 0
+    decoder = [m.weight for m in model.modules() if isinstance(m, Linear) and m.op is packed_linear]
+    for tensor in {id(t): t for t in decoder if t.is_mkldnn}.values():
+        address, nbytes = weight_address(tensor), weight_nbytes(tensor)
+        lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if hi - lo < HUGE_PAGE:
+            continue
+        if madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) or madvise(lo, hi - lo, _MADV_COLLAPSE):
+            logger.debug("no huge pages for oneDNN's weights: madvise failed (errno %d)", ctypes.get_errno())
+            break
+        total += hi - lo
+    return total
+
+
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
-    """Copy the model's large CPU tensors into one huge-page mapping; the bytes moved (0 when the
-    kernel offers no huge pages)."""
+    """Copy the model's large CPU tensors into one huge-page mapping (and collapse oneDNN's weights
+    into huge pages in place); the bytes moved (0 when the kernel offers no huge pages)."""
     if not huge_pages_available():
         return 0
+    start = time.perf_counter()
+    collapsed = _collapse_onednn_weights(model)
+    if collapsed:
+        logger.info(
+            "oneDNN's weights on huge pages: %.2f GiB collapsed in %.1f s",
+            collapsed / (1 << 30),
+            time.perf_counter() - start,
+        )
     # NOTE: only the tensors are held, not their storages: each old storage is freed as soon as its
     # tensors view the new place, so at most one extra tensor's memory is resident.
     groups = list(_storage_groups(model).values())

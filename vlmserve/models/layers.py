@@ -3,6 +3,8 @@ implementations so that bfloat16 runs round where they round."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +12,7 @@ from torch import nn
 from vlmserve.kernels import LinearOp
 from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_cpu_kernels
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import prepacked_linear
+from vlmserve.kernels.onednn import packed_linear, prepacked_linear
 
 
 class Linear(nn.Linear):
@@ -33,15 +35,16 @@ def bind_linear_op(model: nn.Module, op: LinearOp) -> None:
 
 
 def bound_linear_op(model: nn.Module) -> LinearOp | None:
-    """The op bind_linear_op bound (the first Linear layer's outside a prepacked vision tower),
-    None for a model without one."""
-    return next((m.op for m in model.modules() if isinstance(m, Linear) and m.op is not prepacked_linear), None)
+    """The op bind_linear_op bound (the first Linear layer's not on prepacked weights), None for a
+    model without one."""
+    prepacked = (prepacked_linear, packed_linear)
+    return next((m.op for m in model.modules() if isinstance(m, Linear) and m.op not in prepacked), None)
 
 
-def linear_shapes(model: nn.Module, exclude: nn.Module | None = None) -> set[tuple[int, int]]:
-    """The (out, in) shapes of the model's Linear layers (but those inside `exclude`): what the
-    linear op is chosen for."""
-    skip = set() if exclude is None else {id(m) for m in exclude.modules()}
+def linear_shapes(model: nn.Module, exclude: Iterable[nn.Module | None] = ()) -> set[tuple[int, int]]:
+    """The (out, in) shapes of the model's Linear layers (but those inside the modules of
+    `exclude`): what the linear op is chosen for."""
+    skip = {id(m) for module in exclude if module is not None for m in module.modules()}
     return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Linear) and id(m) not in skip}
 
 
