@@ -10,7 +10,7 @@ from functools import cache
 
 import torch
 
-from vlmserve.kernels.dispatch import avx512_kernels
+from vlmserve.kernels.cpu import load_avx512_kernels
 
 # The row count oneDNN is told to expect when it reorders (a 448x448 image's patches); its choice
 # of blocking did not change the speed at 64-4096 rows on the Zen 4 machine of docs/benchmarks.md,
@@ -25,6 +25,8 @@ PACKED_ROWS = 32
 # output rows, each [K / 2][64][2] (pairs of k beside each other, for vdpbf16ps); packed_layout
 # checks it on the machine at hand before vlmserve's kernel reads one.
 PACKED_BLOCK = 64
+# The attribute on which models/prepack.py records a reordered parameter's weight_address.
+ADDRESS_ATTR = "onednn_address"
 
 
 def prepack_available() -> bool:
@@ -84,10 +86,13 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear for a reordered weight whose layout packed_layout confirmed (a LinearOp): up to
-    PACKED_ROWS rows vlmserve's AVX-512 kernel reads it in place, more rows oneDNN's product."""
-    kernels = avx512_kernels()
+    PACKED_ROWS rows vlmserve's AVX-512 kernel reads it in place, more rows oneDNN's product. A
+    decode step calls this for every layer: the weight's address is the one models/prepack.py
+    recorded on the parameter (ADDRESS_ATTR) where there is one (asking oneDNN costs ~2 us)."""
+    kernels = load_avx512_kernels()
     if kernels is not None and x.numel() <= PACKED_ROWS * x.shape[-1] and x.dtype == torch.bfloat16:
-        y = kernels.linear_packed(x, weight, weight_address(weight), bias)
+        address = getattr(weight, ADDRESS_ATTR, None)
+        y = kernels.linear_packed(x, weight, weight_address(weight) if address is None else address, bias)
         if y is not None:
             return y
     return prepacked_linear(x, weight, bias)

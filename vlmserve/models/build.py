@@ -74,8 +74,9 @@ def build_model(
     # The vision tower runs on oneDNN with its weights reordered once, and the decoder's layers on
     # that layout where vlmserve's kernel reads it (models/prepack.py); only the other layers' shapes
     # are measured for the dispatch.
-    tower = model.vision_encoder() if prepacks_vision(device, dtype) else None
-    decoder = packable_decoder_layers(model, model.vision_encoder(), device, dtype)
+    encoder = model.vision_encoder()
+    tower = encoder if prepacks_vision(device, dtype) else None
+    decoder = packable_decoder_layers(model, encoder, device, dtype)
     bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=[tower, *decoder])))
     if tower is not None:
         logger.info("vision tower: %d linear layers on oneDNN, weights prepacked", prepack_linear_layers(tower))

@@ -40,6 +40,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlmserve.kernels.onednn import packed_linear, weight_address, weight_nbytes
+from vlmserve.models.layers import Linear
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -81,16 +84,12 @@ def _collapse_onednn_weights(model: nn.Module) -> int:
     decode streams; the vision tower's products are compute-bound) with huge pages now: madvise
     MADV_HUGEPAGE, then MADV_COLLAPSE, which copies them into huge pages. The bytes collapsed, 0
     where the kernel cannot."""
-    from vlmserve.kernels.onednn import packed_linear, weight_address, weight_nbytes
-    from vlmserve.models.layers import Linear
-
     if sys.platform != "linux":
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     total = 0
-    decoder = [m.weight for m in model.modules() if isinstance(m, Linear) and m.op is packed_linear]
-    for tensor in {id(t): t for t in decoder if t.is_mkldnn}.values():
+    for tensor in (m.weight for m in model.modules() if isinstance(m, Linear) and m.op is packed_linear):
         address, nbytes = weight_address(tensor), weight_nbytes(tensor)
         lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
         if hi - lo < HUGE_PAGE:

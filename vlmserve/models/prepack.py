@@ -37,7 +37,14 @@ import torch
 from torch import nn
 
 from vlmserve.kernels.dispatch import avx512_kernels, forced_path
-from vlmserve.kernels.onednn import packed_layout, prepack_available, prepacked_linear, reorder_weight
+from vlmserve.kernels.onednn import (
+    ADDRESS_ATTR,
+    packed_layout,
+    prepack_available,
+    prepacked_linear,
+    reorder_weight,
+    weight_address,
+)
 from vlmserve.kernels.op import LinearOp
 from vlmserve.models.layers import Linear
 
@@ -90,6 +97,7 @@ def prepack_linear_layers(module: nn.Module | list[Linear], op: LinearOp = prepa
             logger.warning("oneDNN could not reorder a %s weight (%s); it stays plain", tuple(weight.shape), e)
             continue
         layer.weight = nn.Parameter(packed, requires_grad=False)
+        setattr(layer.weight, ADDRESS_ATTR, weight_address(packed))  # for packed_linear, once
         layer.op = op
         count += 1
     return count
