@@ -18,9 +18,11 @@ avx512 = cpu.load_avx512_kernels()
 needs_avx512 = pytest.mark.skipif(avx512 is None, reason="this CPU has no AVX-512 BF16 (or the kernel did not build)")
 
 SHAPES = [  # (q_len, kv_len, heads, kv_heads, head_dim, causal_offset)
-    (200, 200, 16, 16, 80, None),  # Qwen2-VL's vision tower: three blocks of 64 keys and a part
+    (200, 200, 16, 16, 80, None),  # Qwen2-VL's vision tower: a block of 128 keys and a part
+    (300, 300, 16, 16, 80, None),  # two blocks and a part
     (130, 130, 12, 2, 128, 0),  # Qwen2-VL-2B's prefill: causal, six query heads per KV head
     (37, 300, 4, 2, 64, 263),  # a prefill chunk over 263 cached tokens
+    (16, 140, 4, 2, 64, 124),  # a chunk whose first rows see none of the second block's keys
     (70, 70, 16, 16, 72, None),  # Qwen3-VL's vision tower: head_dim not a multiple of 16
     (70, 70, 16, 16, 104, None),  # Qwen-VL's
     (9, 9, 4, 2, 16, 0),  # the tiny test checkpoint

@@ -59,6 +59,19 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* f rounded to bf16 (nearest even; NaN: torch's one quiet NaN, 0x7fc0), in the upper half of
+ * each 32-bit lane (the lower half: carry bits) */
+static inline __m512i bf16_upper(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+
+static inline __m256i f32x16_bf16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_upper(f), 16));
+}
+
 /* The last, partial chunk of a weight row: lanes past K read as zero (and are never touched). */
 static inline __m512bh load32_masked(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void *)p);
@@ -317,10 +330,17 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
  * softmax in fp32 with its sum over the fp32 probabilities, the probabilities rounded to bf16
  * for the product with V (fp32 sums), the output divided by the sum and rounded once to bf16.
  * exp is 2^x of the scores scaled by log2(e): a degree-6 polynomial on [-0.5, 0.5] and vscalefps
- * (relative error ~1.2e-7, far below the bf16 rounding of the probabilities).
+ * (relative error ~1.2e-7, far below the bf16 rounding of the probabilities); the softmax's own
+ * (exp2_neg_ps) a degree-5 one, ~2.3e-7.
+ *
+ * The softmax of a block reduces the 8 rows' maxima and sums together (reduce8) and rescales by
+ * one vector exp, not 8 horizontal reductions of 4 steps and a scalar exp2f per row and block;
+ * blocks of 128 keys, not 64, halve the rescaling of the partial outputs. Alone the softmax took
+ * ~3.2 ms of the 2B vision call's ~20 (2 threads, Zen 4): it was latency, not arithmetic.
  */
-#define FQ 8    /* query rows per tile */
-#define FK 64   /* keys per block */
+#define FQ 8   /* query rows per tile: the softmax reduces them together (reduce8) */
+#define FK 128 /* keys per block */
+#define FV (FK / 16)
 #define FD_MAX 256
 #define LOG2E 1.44269504088896341f
 
@@ -339,9 +359,48 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* scores of 4 query rows (pairs of dims as uint32) against one block's 64 packed keys */
+/* 2^x for x <= 0 (or a little above, from rounding): degree-5 minimax polynomial on [-0.5, 0.5]
+ * (coefficients fitted for relative error, ~2.3e-7 evaluated in fp32); no clamp, as vscalefps
+ * gives 0 past -149 and the masked lanes that may overflow are zeroed after. */
+static inline __m512 exp2_neg_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961325169e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) __m512 combine(__m512 a, __m512 b, const int add) {
+    return add ? _mm512_add_ps(a, b) : _mm512_max_ps(a, b);
+}
+
+/* The 16 lanes of each of 8 vectors reduced (sum or max) at once: out[0] holds rows 0-3, out[1]
+ * rows 4-7, row r's result in all four lanes of 128-bit lane r % 4 (lane_of picks it out). */
+static inline __attribute__((always_inline)) void reduce8(const __m512 v[8], __m512 out[2], const int add) {
+    __m512 t[4];
+    for (int i = 0; i < 4; i++) /* [a lanes 0, 1 | b lanes 0, 1] with [a 2, 3 | b 2, 3]: 8 each */
+        t[i] = combine(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                       _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE), add);
+    for (int i = 0; i < 2; i++) { /* 4 each, one row per 128-bit lane; then within lanes */
+        __m512 u = combine(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD), add);
+        u = combine(u, _mm512_permute_ps(u, 0x4E), add);
+        out[i] = combine(u, _mm512_permute_ps(u, 0xB1), add);
+    }
+}
+
+static inline __m512 lane_of(const __m512 v[2], int r) {
+    return _mm512_permutexvar_ps(_mm512_set1_epi32(4 * (r % 4)), v[r / 4]);
+}
+
+/* unscaled scores of 4 query rows (pairs of dims as uint32) against 64 packed keys (a block's
+ * rows of FK: sstride) */
 static inline __attribute__((always_inline)) void qk4(const uint32_t *q0, int64_t qstride, const uint16_t *kb,
-                                                      int64_t dpairs, float scale, float *s, int64_t sstride) {
+                                                      int64_t dpairs, float *s, int64_t sstride) {
     __m512 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -357,9 +416,8 @@ static inline __attribute__((always_inline)) void qk4(const uint32_t *q0, int64_
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qb, k3);
         }
     }
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) _mm512_store_ps(s + r * sstride + c * 16, _mm512_mul_ps(acc[r][c], sc));
+        for (int c = 0; c < 4; c++) _mm512_store_ps(s + r * sstride + c * 16, acc[r][c]);
 }
 
 /* o[r][d0 .. d0 + 16 NC) = o * alpha[r] + sum over the block's key pairs of p pair x v pair, 4 rows;
@@ -449,14 +507,16 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
                 float s[FQ][FK] __attribute__((aligned(64)));
                 uint32_t pb[FQ][FK / 2] __attribute__((aligned(64)));
                 float o[FQ][FD_MAX] __attribute__((aligned(64)));
-                float m[FQ], l[FQ], alpha[FQ];
+                float alpha[FQ], scratch[32] __attribute__((aligned(64)));
                 for (int r = 0; r < FQ; r++) {
                     const int64_t i = i0 + r < q_len ? i0 + r : q_len - 1;
                     memcpy(qt[r], q + i * q_stride + h * dim, (size_t)dim * 2);
                     for (int64_t d = 0; d < dimp; d++) o[r][d] = 0.0f;
-                    m[r] = -INFINITY;
-                    l[r] = 0.0f;
                 }
+                /* each row's running maximum (of scaled scores) and sum, laid out as reduce8's */
+                __m512 m[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+                __m512 l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                const __m512 sc2 = _mm512_set1_ps(scale2);
                 int64_t last = kv_len; /* keys this tile needs: [0, last) */
                 if (causal_offset >= 0) {
                     const int64_t seen = causal_offset + (i0 + FQ < q_len ? i0 + FQ : q_len);
@@ -464,39 +524,64 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
                 }
                 for (int64_t b = 0; b * FK < last; b++) {
                     const uint16_t *kb = kp + (g * nkb + b) * k_elems, *vb = vp + (g * nkb + b) * v_elems;
-                    qk4(qt[0], FD_MAX / 2, kb, dim / 2, scale2, s[0], FK);
-                    qk4(qt[4], FD_MAX / 2, kb, dim / 2, scale2, s[4], FK);
+                    for (int half = 0; half < FK / 64; half++) {
+                        qk4(qt[0], FD_MAX / 2, kb + half * 128, dim / 2, s[0] + half * 64, FK);
+                        qk4(qt[4], FD_MAX / 2, kb + half * 128, dim / 2, s[4] + half * 64, FK);
+                    }
+                    /* keys past the end, or (causal) past a row's position, are masked */
+                    int64_t visible[FQ];
+                    int all_visible = 1;
                     for (int r = 0; r < FQ; r++) {
-                        /* keys past the end, or (causal) past this row's position */
-                        int64_t visible = kv_len - b * FK;
+                        visible[r] = kv_len - b * FK;
                         if (causal_offset >= 0) {
                             const int64_t row = i0 + r < q_len ? i0 + r : q_len - 1;
                             const int64_t v_row = causal_offset + row + 1 - b * FK;
-                            visible = v_row < visible ? v_row : visible;
+                            visible[r] = v_row < visible[r] ? v_row : visible[r];
                         }
-                        __m512 sv[4];
-                        __mmask16 keep[4];
-                        __m512 mx = _mm512_set1_ps(-INFINITY);
-                        for (int c = 0; c < 4; c++) {
-                            const int64_t n = visible - c * 16;
-                            keep[c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-                            sv[c] = _mm512_load_ps(s[r] + c * 16);
-                            mx = _mm512_mask_max_ps(mx, keep[c], mx, sv[c]);
-                        }
-                        const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx));
-                        alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
-                        const __m512 mn = _mm512_set1_ps(m_new);
-                        __m512 sum = _mm512_setzero_ps();
-                        __m512 p[4];
-                        for (int c = 0; c < 4; c++) {
-                            p[c] = _mm512_maskz_mov_ps(keep[c], exp2_ps(_mm512_sub_ps(sv[c], mn)));
-                            sum = _mm512_add_ps(sum, p[c]);
-                        }
-                        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-                        m[r] = m_new;
-                        _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-                        _mm512_store_si512(pb[r] + 16, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+                        all_visible &= visible[r] >= FK;
                     }
+                    __m512 v8[FQ];
+                    for (int r = 0; r < FQ; r++) { /* each row's maximum, 16 lanes */
+                        __m512 mx = _mm512_set1_ps(-INFINITY);
+                        for (int c = 0; c < FV; c++) {
+                            const int64_t n = visible[r] - c * 16;
+                            const __mmask16 keep = n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+                            mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_load_ps(s[r] + c * 16));
+                        }
+                        v8[r] = mx;
+                    }
+                    __m512 block_max[2], alpha2[2];
+                    reduce8(v8, block_max, 0);
+                    for (int i = 0; i < 2; i++) {
+                        /* a fully masked row keeps its maximum (every row sees key 0, in block 0); in
+                         * block 0, alpha is 0 by the mask, not by what vscalefps makes of -inf - -inf */
+                        const __m512 m_new = _mm512_max_ps(m[i], _mm512_mul_ps(block_max[i], sc2));
+                        const __mmask16 seen = _mm512_cmp_ps_mask(m[i], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                        alpha2[i] = _mm512_maskz_mov_ps(seen, exp2_neg_ps(_mm512_sub_ps(m[i], m_new)));
+                        m[i] = m_new;
+                        _mm512_store_ps(scratch + 16 * i, alpha2[i]);
+                    }
+                    for (int r = 0; r < FQ; r++) alpha[r] = scratch[4 * r];
+                    for (int r = 0; r < FQ; r++) {
+                        const __m512 mn = lane_of(m, r);
+                        __m512 p[FV], sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+                        for (int c = 0; c < FV; c++) {
+                            p[c] = exp2_neg_ps(_mm512_fmsub_ps(_mm512_load_ps(s[r] + c * 16), sc2, mn));
+                            if (!all_visible) {
+                                const int64_t n = visible[r] - c * 16;
+                                const __mmask16 keep = n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+                                p[c] = _mm512_maskz_mov_ps(keep, p[c]);
+                            }
+                            if (c % 2) sum1 = _mm512_add_ps(sum1, p[c]);
+                            else sum = _mm512_add_ps(sum, p[c]);
+                        }
+                        v8[r] = _mm512_add_ps(sum, sum1);
+                        for (int c = 0; c < FV; c += 2)
+                            _mm512_store_si512(pb[r] + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
+                    }
+                    __m512 block_sum[2];
+                    reduce8(v8, block_sum, 1);
+                    for (int i = 0; i < 2; i++) l[i] = _mm512_fmadd_ps(l[i], alpha2[i], block_sum[i]);
                     /* dims 16 x NC at a time, 4 groups per pass but 5 for the last 5 (head_dim 80:
                      * one pass, not 4 + 1; the 2B's vision attention 2-3 % faster) */
                     for (int r0 = 0; r0 < FQ; r0 += 4)
@@ -511,10 +596,16 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
                             }
                         }
                 }
+                _mm512_store_ps(scratch, l[0]);
+                _mm512_store_ps(scratch + 16, l[1]);
                 for (int r = 0; r < FQ && i0 + r < q_len; r++) {
                     uint16_t *orow = out + (i0 + r) * out_stride + h * dim;
-                    const float inv = 1.0f / l[r];
-                    for (int64_t d = 0; d < dim; d++) orow[d] = f32_to_bf16(o[r][d] * inv);
+                    const float inv = 1.0f / scratch[4 * r];
+                    const __m512 iv = _mm512_set1_ps(inv);
+                    int64_t d = 0;
+                    for (; d + 16 <= dim; d += 16)
+                        _mm256_storeu_si256((__m256i *)(orow + d), f32x16_bf16(_mm512_mul_ps(_mm512_load_ps(o[r] + d), iv)));
+                    for (; d < dim; d++) orow[d] = f32_to_bf16(o[r][d] * inv);
                 }
             }
     }
@@ -531,19 +622,6 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
  * the fp32 results may differ from torch's by an ulp or so, which the rounding to bf16 hides but
  * for a value within that of a rounding boundary.
  */
-/* f rounded to bf16 (nearest even; NaN: torch's one quiet NaN, 0x7fc0), in the upper half of
- * each 32-bit lane (the lower half: carry bits) */
-static inline __m512i bf16_upper(__m512 f) {
-    const __m512i bits = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-}
-
-static inline __m256i f32x16_bf16(__m512 f) {
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_upper(f), 16));
-}
-
 /* f rounded to bf16 and widened back: the low half cleared, no narrowing and widening (the
  * activations' intermediate roundings; vpmovdw alone is two operations on Zen 4) */
 static inline __m512 round_bf16(__m512 f) {
