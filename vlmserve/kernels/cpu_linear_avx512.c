@@ -324,19 +324,19 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
  * Prefill attention (flash attention: scores, softmax and the weighted sum of V block by block,
  * never the whole [q_len, kv_len] matrix) with AVX-512 BF16: both products by vdpbf16ps. K and V
  * are first packed per KV head so that one 64-byte load feeds a product: K as [key block][d pair]
- * [64 keys][2] (a query's two dims broadcast against 16 keys' same two dims), V as [key block]
+ * [FK keys][2] (a query's two dims broadcast against 16 keys' same two dims), V as [key block]
  * [key pair][d][2] (a row's two probabilities broadcast against two keys' values of 16 dims).
  * Arithmetic, as torch's CPU flash kernel for bf16: q.k exact products summed in fp32, the
  * softmax in fp32 with its sum over the fp32 probabilities, the probabilities rounded to bf16
  * for the product with V (fp32 sums), the output divided by the sum and rounded once to bf16.
  * exp is 2^x of the scores scaled by log2(e): a degree-6 polynomial on [-0.5, 0.5] and vscalefps
- * (relative error ~1.2e-7, far below the bf16 rounding of the probabilities); the softmax's own
- * (exp2_neg_ps) a degree-5 one, ~2.3e-7.
+ * (relative error ~1.2e-7, far below the bf16 rounding of the probabilities).
  *
  * The softmax of a block reduces the 8 rows' maxima and sums together (reduce8) and rescales by
  * one vector exp, not 8 horizontal reductions of 4 steps and a scalar exp2f per row and block;
- * blocks of 128 keys, not 64, halve the rescaling of the partial outputs. Alone the softmax took
- * ~3.2 ms of the 2B vision call's ~20 (2 threads, Zen 4): it was latency, not arithmetic.
+ * blocks of 128 keys, not 64, halve the rescaling of the partial outputs; the scale is folded
+ * into the exponent's fmsub. Alone the softmax took ~3.2 ms of the 2B vision call's ~20 (2
+ * threads, Zen 4): it was latency, not arithmetic.
  */
 #define FQ 8   /* query rows per tile: the softmax reduces them together (reduce8) */
 #define FK 128 /* keys per block */
@@ -356,21 +356,6 @@ static inline __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* 2^x for x <= 0 (or a little above, from rounding): degree-5 minimax polynomial on [-0.5, 0.5]
- * (coefficients fitted for relative error, ~2.3e-7 evaluated in fp32); no clamp, as vscalefps
- * gives 0 past -149 and the masked lanes that may overflow are zeroed after. */
-static inline __m512 exp2_neg_ps(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961325169e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -557,7 +542,7 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
                          * block 0, alpha is 0 by the mask, not by what vscalefps makes of -inf - -inf */
                         const __m512 m_new = _mm512_max_ps(m[i], _mm512_mul_ps(block_max[i], sc2));
                         const __mmask16 seen = _mm512_cmp_ps_mask(m[i], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                        alpha2[i] = _mm512_maskz_mov_ps(seen, exp2_neg_ps(_mm512_sub_ps(m[i], m_new)));
+                        alpha2[i] = _mm512_maskz_mov_ps(seen, exp2_ps(_mm512_sub_ps(m[i], m_new)));
                         m[i] = m_new;
                         _mm512_store_ps(scratch + 16 * i, alpha2[i]);
                     }
@@ -566,7 +551,7 @@ int vlm_prefill_attention_avx512(const uint16_t *q, const uint16_t *k, const uin
                         const __m512 mn = lane_of(m, r);
                         __m512 p[FV], sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
                         for (int c = 0; c < FV; c++) {
-                            p[c] = exp2_neg_ps(_mm512_fmsub_ps(_mm512_load_ps(s[r] + c * 16), sc2, mn));
+                            p[c] = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s[r] + c * 16), sc2, mn));
                             if (!all_visible) {
                                 const int64_t n = visible[r] - c * 16;
                                 const __mmask16 keep = n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
