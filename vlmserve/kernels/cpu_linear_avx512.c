@@ -341,6 +341,7 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
 #define FQ 8   /* query rows per tile: the softmax reduces them together (reduce8) */
 #define FK 128 /* keys per block */
 #define FV (FK / 16)
+_Static_assert(FQ == 8 && FK % 64 == 0, "reduce8 takes 8 rows; qk4 scores 64 keys at a time");
 #define FD_MAX 256
 #define LOG2E 1.44269504088896341f
 
