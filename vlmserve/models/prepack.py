@@ -22,8 +22,8 @@ to 32 (Qwen2-VL-2B's [17920, 1536] at 1 row 0.92 against 1.22 ms, 2 threads, Zen
 prefill products skip oneDNN's reorder per call (the 2B's decoder at 341 rows ~5 % faster). So the
 decoder's weights are reordered too (no second copy), where the AVX-512 kernels are in use (no
 path forced) and the shape allows; a weight shared with an embedding (a tied lm_head) stays plain,
-as the embedding reads its rows. Reordered weights are oneDNN's memory: they do not move to huge
-pages (models/huge_pages.py).
+as the embedding reads its rows. Reordered weights are oneDNN's memory: they do not move into
+the huge-page mapping; models/huge_pages.py collapses the decoder's into huge pages in place.
 
 The reordered weight replaces the layer's parameter (an opaque oneDNN tensor: same shape and dtype,
 no data pointer), so the memory stays the same; VLMSERVE_PREPACK=0 keeps the plain weights.
