@@ -54,6 +54,8 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     linear = bound_linear_op(core.model) if in_process else None
     packed = prepacked_layers(core.model) if in_process else 0
     decoder = prepacked_layers(core.model, packed_linear) if in_process else 0
+    # a decoder that runs a decode step in one kernel call (the Qwen2 decoder's FusedQwen2Decode)
+    fused = in_process and any(getattr(m, "fused_decode", None) is not None for m in core.model.modules())
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
@@ -72,6 +74,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
                 [
                     f"decoder: {decoder} layers' weights prepacked for oneDNN (prefill), "
                     f"vlmserve AVX-512 kernel on them up to {PACKED_ROWS} rows"
+                    + (", a decode step's whole decoder in one call" if fused else "")
                 ]
                 if decoder
                 else []

@@ -5,6 +5,7 @@
 #ifndef VLMSERVE_BF16_H
 #define VLMSERVE_BF16_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -37,6 +38,35 @@ static inline void rotary_tokens(rotate_heads_fn rotate, uint16_t *q, uint16_t *
         const char *c = (const char *)cos + m * D * item, *s = (const char *)sin + m * D * item;
         rotate(q + m * q_stride, c, s, nq, D, (int)cos_bf16);
         rotate(k + m * k_stride, c, s, nk, D, (int)cos_bf16);
+    }
+}
+
+/* RMSNorm after a residual add, rows of H (bf16): sum[m] = x[m] + delta[m] (skipped when delta is
+ * NULL: sum is x; sum may be x itself), out[m] = w * bf16(sum * rsqrt(mean(sum^2) + eps)). Rounded
+ * where torch's bf16 ops of models/layers.py round; the mean's sum in eight interleaved parts. One
+ * source for cpu_linear.c's kernel and cpu_linear_avx512.c's fused decode: the same bits from both
+ * (built without FMA contraction, -std=c11). */
+static inline void add_rms_norm_rows(const uint16_t *x, const uint16_t *delta, const uint16_t *w, uint16_t *sum,
+                                     uint16_t *out, int64_t M, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * H;
+        uint16_t *sr = delta ? sum + m * H : (uint16_t *)xr;
+        float acc[8] = {0};
+        for (int64_t i = 0; i < H; i++) {
+            float s = bf16_to_f32(xr[i]);
+            if (delta) {
+                sr[i] = f32_to_bf16(s + bf16_to_f32(delta[m * H + i]));
+                s = bf16_to_f32(sr[i]);
+            }
+            acc[i & 7] += s * s;
+        }
+        const float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        const float r = 1.0f / sqrtf(total / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(sr[i]) * r));
+            out[m * H + i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+        }
     }
 }
 

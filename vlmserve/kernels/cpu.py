@@ -287,6 +287,9 @@ class Avx512Kernels:
         lib.vlm_rotary_qk_avx512.restype = None
         lib.vlm_linear_packed_avx512.argtypes = [p, p, p, p, i64, i64, i64]
         lib.vlm_linear_packed_avx512.restype = ctypes.c_int
+        f32 = ctypes.c_float
+        lib.vlm_qwen2_decode_avx512.argtypes = [p, p, p, i64, p, p, p, p, p, p, *[i64] * 9, f32, f32]
+        lib.vlm_qwen2_decode_avx512.restype = ctypes.c_int
         self._lib = lib
         self.path = library
 
@@ -317,6 +320,35 @@ class Avx512Kernels:
             x2.data_ptr(), weight_address, 0 if bias is None else bias.data_ptr(), y.data_ptr(), x2.shape[0], n, k
         )
         return None if failed else y.reshape(*x.shape[:-1], n)
+
+    def qwen2_decode(
+        self,
+        x: torch.Tensor,  # [M, H] bf16: the embeddings; overwritten by the residual stream
+        layers: torch.Tensor,  # [num_layers, 8] int64: the addresses vlm_qwen2_decode_avx512 lists
+        final_norm: torch.Tensor,  # [H] bf16
+        cos: torch.Tensor,  # [M, head_dim] bf16
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [M] int64
+        block_tables: torch.Tensor,  # [M, max_blocks] int64
+        seq_lens: torch.Tensor,  # [M] int64
+        kv_shape: tuple[int, ...],  # every layer's cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        num_heads: int,
+        intermediate_size: int,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """A whole Qwen2 decoder's decode step in one call (vlm_qwen2_decode_avx512): the final norm's
+        output [M, H] bf16, or None where the kernel declines (shapes, alignment, memory) before
+        writing anything. The tensors contiguous, int64 where said."""
+        m, h = x.shape
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_shape
+        out = torch.empty_like(x)
+        failed = self._lib.vlm_qwen2_decode_avx512(
+            x.data_ptr(), out.data_ptr(), layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), m, h, intermediate_size,
+            num_heads, num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], eps, scale,
+        )  # fmt: skip
+        return None if failed else out
 
     def decode_attention(
         self,

@@ -322,30 +322,11 @@ void vlm_decode_attention(const void *q, const void *cache, const int64_t *block
  * here was slower than torch's vectorized exp.)
  */
 
-/* sum[m] = x[m] + delta[m] (bf16; skipped when delta is NULL: sum = x), then
- * out[m] = w * bf16(sum * rsqrt(mean(sum^2) + eps)), rows of H. */
+/* sum[m] = x[m] + delta[m], then out[m] = w * bf16(sum * rsqrt(mean(sum^2) + eps)): add_rms_norm_rows
+ * in bf16.h (shared with cpu_linear_avx512.c's fused decode, so both give the same bits). */
 void vlm_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, const uint16_t *w, uint16_t *sum, uint16_t *out,
                            int64_t M, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * H;
-        uint16_t *sr = delta ? sum + m * H : (uint16_t *)xr;
-        float acc[8] = {0};
-        for (int64_t i = 0; i < H; i++) {
-            float s = bf16_to_f32(xr[i]);
-            if (delta) {
-                sr[i] = f32_to_bf16(s + bf16_to_f32(delta[m * H + i]));
-                s = bf16_to_f32(sr[i]);
-            }
-            acc[i & 7] += s * s;
-        }
-        const float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        const float r = 1.0f / sqrtf(total / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) {
-            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(sr[i]) * r));
-            out[m * H + i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
-        }
-    }
+    add_rms_norm_rows(x, delta, w, sum, out, M, H, eps);
 }
 
 /* Rotate-half rotary embedding in place on q [M, nq, D] and k [M, nk, D] (rows `q_stride` /

@@ -214,10 +214,11 @@ void vlm_linear_bf16_avx512(const uint16_t *x, const uint16_t *w, const uint16_t
 #define ATT_MAX_GROUP 16
 #define ATT_MAX_DIM 256
 
-void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const int64_t *block_tables,
-                                 const int64_t *seq_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                                 int64_t max_blocks, float scale) {
+/* q_stride: elements from one sequence's query row to the next (its heads contiguous) */
+static void decode_attention_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *cache,
+                                    const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out,
+                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t v_offset = num_blocks * block_size * token_stride;
@@ -229,7 +230,7 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
             float vf[ATT_CHUNK][ATT_MAX_DIM] __attribute__((aligned(64)));
             float p[ATT_MAX_GROUP][ATT_CHUNK], m[ATT_MAX_GROUP], l[ATT_MAX_GROUP], corr[ATT_MAX_GROUP];
             int64_t rows[ATT_CHUNK];
-            const uint16_t *qs = q + (s * num_heads + kvh * group) * head_dim; /* the group's rows */
+            const uint16_t *qs = q + s * q_stride + kvh * group * head_dim; /* the group's rows */
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
                 m[g] = -INFINITY;
@@ -319,6 +320,13 @@ void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const
     }
 }
 
+void vlm_decode_attention_avx512(const uint16_t *q, const uint16_t *cache, const int64_t *block_tables,
+                                 const int64_t *seq_lens, uint16_t *out, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                 int64_t max_blocks, float scale) {
+    decode_attention_avx512(q, num_heads * head_dim, cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                            num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);
+}
 
 /*
  * Prefill attention (flash attention: scores, softmax and the weighted sum of V block by block,
@@ -716,19 +724,19 @@ static inline __attribute__((always_inline)) void packed_rows(const uint32_t *x3
         for (int c = 0; c < 4; c++) _mm512_store_ps(sums + r * 64 + c * 16, acc[r][c]);
 }
 
-int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
-                             int64_t N, int64_t K) {
-    if (N % 64 || K % 2 || ((uintptr_t)w & 63)) return -1;
-    if (M <= 0 || N <= 0) return 0;
+/* The product on a thread team's sums (omp_get_max_threads() x packed_sums_floats(M) floats,
+ * 64-byte aligned); the shape and alignment checked by the caller. */
+static inline int64_t packed_sums_floats(int64_t M) { return M * 64 + 64; }
+
+static void packed_product(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M, int64_t N,
+                           int64_t K, float *sums) {
     const int64_t kpairs = K / 2, blocks = N / 64;
     const uint32_t *x32 = (const uint32_t *)x; /* K even: row m's pair kp is x32[m K / 2 + kp] */
-    /* each thread's sums of one block: M rows x 64 (the loads and stores of a pass's 4 x PMR) */
-    float *sums = aligned_alloc(64, (size_t)omp_get_max_threads() * (size_t)(M * 64 + 64) * sizeof(float));
-    if (sums == NULL) return -2;
     const int64_t chunk = M <= PMR ? kpairs : PKC;
 #pragma omp parallel
     {
-        float *s = sums + (int64_t)omp_get_thread_num() * (M * 64 + 64);
+        /* each thread's sums of one block: M rows x 64 (the loads and stores of a pass's 4 x PMR) */
+        float *s = sums + (int64_t)omp_get_thread_num() * packed_sums_floats(M);
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
             const uint16_t *wb = w + nb * 64 * K;
@@ -757,6 +765,91 @@ int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_
                 }
         }
     }
+}
+
+static inline int packed_shape_ok(const uint16_t *w, int64_t N, int64_t K) {
+    return N % 64 == 0 && K % 2 == 0 && ((uintptr_t)w & 63) == 0;
+}
+
+int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, int64_t M,
+                             int64_t N, int64_t K) {
+    if (!packed_shape_ok(w, N, K)) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    float *sums = aligned_alloc(64, (size_t)omp_get_max_threads() * (size_t)packed_sums_floats(M) * sizeof(float));
+    if (sums == NULL) return -2;
+    packed_product(x, w, b, y, M, N, K, sums);
+    free(sums);
+    return 0;
+}
+
+/*
+ * A whole Qwen2 decoder (Qwen2-VL, Qwen2.5-VL) for a decode step, in one call: M sequences' one
+ * new token each, through every layer and the final norm. Why: a one-request step of Qwen2-VL-2B
+ * spent ~16 ms of its ~75 ms between the weight products (on the Zen 4 machine of
+ * docs/benchmarks.md): per layer ~12 torch ops and ctypes calls, each 10-90 us there because the
+ * weights streaming past (93 MB a layer) leave the interpreter's and torch's code and data cold in
+ * every cache. Here the same kernels run back to back: the packed products, rotary, the KV write,
+ * paged decode attention, SwiGLU and the RMSNorms (the residual add fused into the next norm, as
+ * torch's bf16 add rounds): the same bits as the layer-by-layer path.
+ *
+ * layers: 8 addresses per layer: input_layernorm [H], qkv_proj (packed [q + 2 kv, H]), its bias
+ * [q + 2 kv] (0: none), o_proj (packed [H, q]), post_attention_layernorm [H], gate_up_proj (packed
+ * [2 I, H]), down_proj (packed [H, I]), the layer's KV cache [2, num_blocks, block_size, kv heads,
+ * D]. x [M, H]: the embeddings, overwritten by the residual stream; out [M, H]: the final norm of
+ * the last layer's output. cos, sin [M, D] bf16; slots [M] (a negative slot writes no K/V);
+ * block_tables [M, max_blocks], seq_lens [M] (with the new token). Returns 0, -1 where a shape or
+ * alignment is not the kernels' (checked before anything is written), -2 without memory.
+ */
+int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, int64_t num_layers,
+                            const uint16_t *final_norm, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                            const int64_t *block_tables, const int64_t *seq_lens, int64_t M, int64_t H, int64_t I,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_blocks,
+                            int64_t block_size, int64_t max_blocks, float eps, float scale) {
+    const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D, n_qkv = q_size + 2 * kv_size;
+    if (M <= 0 || num_layers <= 0 || D % 32 || D > ATT_MAX_DIM || num_heads % num_kv_heads ||
+        num_heads / num_kv_heads > ATT_MAX_GROUP || H % 2 || I % 2)
+        return -1;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *p = layers + 8 * l;
+        if (!packed_shape_ok((const uint16_t *)p[1], n_qkv, H) || !packed_shape_ok((const uint16_t *)p[3], H, q_size) ||
+            !packed_shape_ok((const uint16_t *)p[5], 2 * I, H) || !packed_shape_ok((const uint16_t *)p[6], H, I))
+            return -1;
+    }
+    const size_t elems = (size_t)(M * (H + n_qkv + q_size + H + 3 * I));
+    uint16_t *buf = aligned_alloc(64, (elems * sizeof(uint16_t) + 63) & ~(size_t)63);
+    float *sums = aligned_alloc(64, (size_t)omp_get_max_threads() * (size_t)packed_sums_floats(M) * sizeof(float));
+    if (buf == NULL || sums == NULL) {
+        free(buf);
+        free(sums);
+        return -2;
+    }
+    uint16_t *h = buf, *qkv = h + M * H, *attn = qkv + M * n_qkv, *o = attn + M * q_size, *gu = o + M * H;
+    uint16_t *act = gu + M * 2 * I;
+    const int64_t v_offset = num_blocks * block_size * kv_size;
+    add_rms_norm_rows(x, NULL, (const uint16_t *)layers[0], NULL, h, M, H, eps);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *p = layers + 8 * l;
+        uint16_t *cache = (uint16_t *)p[7];
+        packed_product(h, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, M, n_qkv, H, sums);
+        vlm_rotary_qk_avx512(qkv, qkv + q_size, n_qkv, n_qkv, cos, sin, M, num_heads, num_kv_heads, D, 1);
+        for (int64_t m = 0; m < M; m++) {
+            if (slots[m] < 0) continue;
+            const uint16_t *k = qkv + m * n_qkv + q_size;
+            memcpy(cache + slots[m] * kv_size, k, (size_t)kv_size * sizeof(uint16_t));
+            memcpy(cache + v_offset + slots[m] * kv_size, k + kv_size, (size_t)kv_size * sizeof(uint16_t));
+        }
+        decode_attention_avx512(qkv, n_qkv, cache, block_tables, seq_lens, attn, M, num_heads, num_kv_heads, D,
+                                num_blocks, block_size, max_blocks, scale);
+        packed_product(attn, (const uint16_t *)p[3], NULL, o, M, H, q_size, sums);
+        add_rms_norm_rows(x, o, (const uint16_t *)p[4], x, h, M, H, eps);
+        packed_product(h, (const uint16_t *)p[5], NULL, gu, M, 2 * I, H, sums);
+        vlm_activation_bf16_avx512(gu, act, M, I, 2 * I, 1);
+        packed_product(act, (const uint16_t *)p[6], NULL, o, M, H, I, sums);
+        const int last = l + 1 == num_layers;
+        add_rms_norm_rows(x, o, last ? final_norm : (const uint16_t *)layers[8 * (l + 1)], x, last ? out : h, M, H,
+                          eps);
+    }
+    free(buf);
     free(sums);
     return 0;
 }

@@ -10,6 +10,7 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
+from vlmserve.families.qwen2_vl.fused_decode import FusedQwen2Decode
 from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary_qk
 from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_parts
 
@@ -115,10 +116,22 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList([Qwen2DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
+        # Decode steps in one kernel call where enable_fused_decode finds that it applies.
+        self.fused_decode: FusedQwen2Decode | None = None
+
+    def enable_fused_decode(self) -> bool:
+        """Run pure decode steps through FusedQwen2Decode where it applies (called once the weights
+        are in their final layout: models/build.py); whether it does."""
+        self.fused_decode = FusedQwen2Decode.build(self)
+        return self.fused_decode is not None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """inputs_embeds: [num_tokens, hidden]; positions: [3, num_tokens] -> [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        if self.fused_decode is not None:
+            out = self.fused_decode(inputs_embeds, cos, sin, meta)
+            if out is not None:
+                return out
         h = inputs_embeds
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

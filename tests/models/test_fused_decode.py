@@ -1,0 +1,99 @@
+"""The Qwen2 decoder's decode step in one kernel call (families/qwen2_vl/fused_decode.py): where it
+applies (bf16, AVX-512 kernels, reordered decoder weights, head_dim a multiple of 32), an engine
+gives the same tokens and the same log-probabilities bit for bit as one decoding layer by layer
+(VLMSERVE_FUSED_DECODE=0), over several sequences of different lengths, one with an image; steps
+that are not pure decode steps run layer by layer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmserve import LLM, SamplingParams
+from vlmserve.engine.banner import engine_summary
+from vlmserve.families.qwen2_vl import decoder
+from vlmserve.families.qwen2_vl.fused_decode import FusedQwen2Decode
+from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
+from vlmserve.kernels.dispatch import avx512_kernels
+from vlmserve.kernels.onednn import prepack_available
+
+pytestmark = pytest.mark.skipif(
+    avx512_kernels() is None or not prepack_available(), reason="needs the AVX-512 BF16 kernels and oneDNN's reorder"
+)
+
+# The tiny checkpoints' decoder widened to shapes the fused kernel takes: head_dim 32 (4 query and
+# 2 KV heads over 128), qkv 256, gate_up 384 outputs (multiples of 64).
+WIDE = {"hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 3, "mrope_section": (4, 6, 6)}
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = replace(TinySpec() if request.param == "qwen2_vl" else QWEN2_5_VL_SPEC, **WIDE)
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("fused") / request.param, spec, seed=7)
+
+
+def _run(checkpoint: Path, image: Image.Image) -> tuple[list[list[int]], list[list[dict[int, float]]], LLM]:
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, kv_cache_memory_gib=0.02)
+    prompts = [
+        "Hello",
+        "Count from one to twenty, slowly: one, two, three, four, five",
+        {"prompt": f"<|im_start|>user\n{PAD}Describe it.<|im_end|>\n<|im_start|>assistant\n",
+         "multi_modal_data": {"image": [image]}},
+        "A longer prompt " * 12,
+    ]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=4)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    tokens = [o.token_ids for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in step.items()} for step in o.logprobs or []] for o in outs]
+    return tokens, logprobs, llm
+
+
+def test_fused_decode_gives_the_layer_paths_bits(
+    checkpoint: Path, images: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, bool]] = []  # (rows, whether the fused kernel ran the step)
+    fused_call = FusedQwen2Decode.__call__
+
+    def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
+        out = fused_call(self, x, cos, sin, meta)
+        calls.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
+    tokens, logprobs, llm = _run(checkpoint, images["wide"])
+    model = llm.llm_engine.model.model
+    assert isinstance(model, decoder.Qwen2Model) and model.fused_decode is not None
+    assert "whole decoder in one call" in engine_summary(llm.llm_engine.core, str(checkpoint))["linear layers"]
+    ran = [rows for rows, fused in calls if fused]
+    assert ran and max(ran) == 4  # the four sequences decoded together in one call
+    assert any(not fused for _, fused in calls)  # the prompts' steps went layer by layer
+    del llm
+
+    calls.clear()
+    monkeypatch.setenv("VLMSERVE_FUSED_DECODE", "0")
+    plain_tokens, plain_logprobs, plain = _run(checkpoint, images["wide"])
+    assert plain.llm_engine.model.model.fused_decode is None and not calls
+    assert "one call" not in engine_summary(plain.llm_engine.core, str(checkpoint))["linear layers"]
+    assert tokens == plain_tokens
+    assert logprobs == plain_logprobs  # exact floats: the same hidden states bit for bit
+    assert all(len(steps) == 20 for steps in logprobs)
+
+
+def test_a_head_dim_the_kernel_does_not_take_decodes_layer_by_layer(tiny_dir: Path) -> None:
+    llm = LLM(tiny_dir, dtype="bfloat16", max_model_len=512, kv_cache_memory_gib=0.01)
+    assert llm.llm_engine.model.model.fused_decode is None  # head_dim 16
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3
+
+
+def test_float32_decodes_layer_by_layer(checkpoint: Path) -> None:
+    llm = LLM(checkpoint, dtype="float32", max_model_len=512, kv_cache_memory_gib=0.01)
+    assert llm.llm_engine.model.model.fused_decode is None
+    with torch.inference_mode():
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3

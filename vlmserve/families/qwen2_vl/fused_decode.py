@@ -1,0 +1,168 @@
+"""A decode step of the Qwen2 decoder (Qwen2-VL, Qwen2.5-VL) in one C call on AVX-512 BF16 CPUs.
+
+Why: on the CPU a one-request decode step is bound by reading the weights (3.09 GB a step for
+Qwen2-VL-2B in bf16), and the time between the weight products reads almost nothing. Yet in that
+time the layer-by-layer path runs ~12 torch ops and ctypes calls a layer, each 10-90 us on the
+2-core Zen 4 machine of docs/benchmarks.md (not the 1-20 us they take in a loop on their own: the
+93 MB of weights a layer streams past leaves the interpreter's and torch's code and data cold in
+every cache): ~16 ms of a ~75 ms step. vlm_qwen2_decode_avx512 (kernels/cpu_linear_avx512.c) runs
+the same kernels back to back for every layer and the final norm, so the step gives the same bits.
+
+Where it applies (enable_fused_decode, at build time): bf16 on a CPU with the AVX-512 kernels and
+no other CPU path forced, tensor_parallel_size 1, every decoder product on reordered weights
+(models/prepack.py), the attention backend's CPU decode kernel in use, a head_dim the AVX-512
+decode attention takes. Per step: every sequence decoding one token (a pure decode step, no pruned
+output rows), at most PACKED_ROWS of them; any other step runs layer by layer.
+VLMSERVE_FUSED_DECODE=0 keeps every step layer by layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.distributed import tp_size
+from vlmserve.kernels.cpu import Avx512Kernels
+from vlmserve.kernels.dispatch import avx512_kernels
+from vlmserve.kernels.onednn import ADDRESS_ATTR, PACKED_ROWS, packed_linear
+from vlmserve.models.layers import Linear
+
+if TYPE_CHECKING:
+    from vlmserve.families.qwen2_vl.decoder import Qwen2DecoderLayer, Qwen2Model
+
+logger = logging.getLogger(__name__)
+
+
+def _packed_address(linear: Linear) -> int | None:
+    return getattr(linear.weight, ADDRESS_ATTR, None) if linear.op is packed_linear else None
+
+
+class FusedQwen2Decode:
+    """The model's decoder as vlm_qwen2_decode_avx512 reads it: built by `build` where it applies."""
+
+    def __init__(self, model: Qwen2Model, layers: list[Qwen2DecoderLayer], kernels: Avx512Kernels, eps: float) -> None:
+        self.model = model
+        self.layers = layers
+        self.kernels = kernels
+        self.eps = eps
+        first = layers[0]
+        self.num_heads = first.self_attn.num_heads
+        self.scale = first.self_attn.attn.scale
+        self.intermediate_size = first.mlp.down_proj.in_features
+        # The address table, built on the first step (after the engine binds the KV caches and
+        # moves the weights onto huge pages) and again if the caches are bound anew.
+        self._caches: list[torch.Tensor] = []
+        self._table: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, model: Qwen2Model) -> FusedQwen2Decode | None:
+        from vlmserve.families.qwen2_vl.decoder import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP
+
+        if os.environ.get("VLMSERVE_FUSED_DECODE", "1") == "0" or tp_size() != 1:
+            return None
+        kernels = avx512_kernels()
+        layers = cast("list[Qwen2DecoderLayer]", list(model.layers))
+        if kernels is None or not layers:
+            return None
+        eps = model.norm.eps
+        if model.norm.weight.dtype != torch.bfloat16 or not model.norm.weight.is_contiguous():
+            return None
+        for layer in layers:
+            if not (
+                type(layer) is Qwen2DecoderLayer
+                and type(layer.self_attn) is Qwen2Attention
+                and type(layer.mlp) is Qwen2MLP
+                and _applies(layer, eps)
+            ):
+                return None
+        return cls(model, layers, kernels, eps)
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The final norm's output [M, H] for a pure decode step of M <= PACKED_ROWS sequences;
+        None for any other step (the caller runs it layer by layer)."""
+        m = x.shape[0]
+        if (
+            m > PACKED_ROWS
+            or meta.output_rows is not None
+            or meta.num_seqs != m
+            or meta.query_start_loc[-1] != m
+            or min(meta.seq_lens_host) < 2
+            or x.dtype != torch.bfloat16
+            or cos.dtype != torch.bfloat16
+        ):
+            return None
+        table = self._addresses()
+        if table is None:
+            return None
+        out = self.kernels.qwen2_decode(
+            x.contiguous().clone(),  # the kernel writes the residual stream into it
+            table,
+            self.model.norm.weight,
+            cos.contiguous(),
+            sin.contiguous(),
+            meta.slot_mapping.to(torch.int64).contiguous(),
+            meta.block_tables.to(torch.int64).contiguous(),
+            meta.seq_lens.to(torch.int64).contiguous(),
+            tuple(self._caches[0].shape),
+            self.num_heads,
+            self.intermediate_size,
+            self.eps,
+            self.scale,
+        )
+        if out is None:
+            logger.warning("the fused decode kernel declined this model's shapes; decoding layer by layer")
+            self.model.fused_decode = None
+        return out
+
+    def _addresses(self) -> torch.Tensor | None:
+        bound = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        if len(bound) == len(self._caches) and all(a is b for a, b in zip(bound, self._caches, strict=True)):
+            return self._table
+        caches = [c for c in bound if c is not None and c.is_contiguous() and c.dtype == torch.bfloat16]
+        if len(caches) != len(bound) or any(c.shape != caches[0].shape for c in caches):
+            return None
+        rows = []
+        for layer, cache in zip(self.layers, caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            rows.append(
+                [
+                    layer.input_layernorm.weight.data_ptr(),
+                    _packed_address(attn.qkv_proj),
+                    0 if bias is None else bias.data_ptr(),
+                    _packed_address(attn.o_proj),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    _packed_address(mlp.gate_up_proj),
+                    _packed_address(mlp.down_proj),
+                    cache.data_ptr(),
+                ]
+            )
+        self._caches = caches
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        return self._table
+
+
+def _applies(layer: Qwen2DecoderLayer, eps: float) -> bool:
+    """Whether the fused kernel computes this layer as its modules do."""
+    attn, mlp = layer.self_attn, layer.mlp
+    head_dim = attn.head_dim
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    backend = attn.attn.backend
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (
+        all(_packed_address(linear) is not None for linear in linears)
+        and all(linear.bias is None for linear in linears[1:])
+        and (attn.qkv_proj.bias is None or attn.qkv_proj.bias.dtype == torch.bfloat16)
+        and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() and n.eps == eps for n in norms)
+        and getattr(backend, "decode_kernel", None) is not None
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and attn.num_heads % attn.num_kv_heads == 0
+        and attn.num_heads // attn.num_kv_heads <= 16
+    )
