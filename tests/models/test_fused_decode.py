@@ -37,8 +37,17 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return write_tiny_qwen2_vl(tmp_path_factory.mktemp("fused") / request.param, spec, seed=7)
 
 
-def _run(checkpoint: Path, image: Image.Image) -> tuple[list[list[int]], list[list[dict[int, float]]], LLM]:
-    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, kv_cache_memory_gib=0.02)
+def _run(
+    checkpoint: Path, image: Image.Image, quantization: str | None
+) -> tuple[list[list[int]], list[list[dict[int, float]]], LLM]:
+    llm = LLM(
+        checkpoint,
+        dtype="bfloat16",
+        quantization=quantization,
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_memory_gib=0.02,
+    )
     prompts = [
         "Hello",
         "Count from one to twenty, slowly: one, two, three, four, five",
@@ -53,8 +62,9 @@ def _run(checkpoint: Path, image: Image.Image) -> tuple[list[list[int]], list[li
     return tokens, logprobs, llm
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
 def test_fused_decode_gives_the_layer_paths_bits(
-    checkpoint: Path, images: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, images: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch, quantization: str | None
 ) -> None:
     calls: list[tuple[int, bool]] = []  # (rows, whether the fused kernel ran the step)
     fused_call = FusedQwen2Decode.__call__
@@ -65,7 +75,7 @@ def test_fused_decode_gives_the_layer_paths_bits(
         return out
 
     monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
-    tokens, logprobs, llm = _run(checkpoint, images["wide"])
+    tokens, logprobs, llm = _run(checkpoint, images["wide"], quantization)
     model = llm.llm_engine.model.model
     assert isinstance(model, decoder.Qwen2Model) and model.fused_decode is not None
     assert "whole decoder in one call" in engine_summary(llm.llm_engine.core, str(checkpoint))["linear layers"]
@@ -76,7 +86,7 @@ def test_fused_decode_gives_the_layer_paths_bits(
 
     calls.clear()
     monkeypatch.setenv("VLMSERVE_FUSED_DECODE", "0")
-    plain_tokens, plain_logprobs, plain = _run(checkpoint, images["wide"])
+    plain_tokens, plain_logprobs, plain = _run(checkpoint, images["wide"], quantization)
     assert plain.llm_engine.model.model.fused_decode is None and not calls
     assert "one call" not in engine_summary(plain.llm_engine.core, str(checkpoint))["linear layers"]
     assert tokens == plain_tokens

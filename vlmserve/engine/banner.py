@@ -74,11 +74,11 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
                 [
                     f"decoder: {decoder} layers' weights prepacked for oneDNN (prefill), "
                     f"vlmserve AVX-512 kernel on them up to {PACKED_ROWS} rows"
-                    + (", a decode step's whole decoder in one call" if fused else "")
                 ]
                 if decoder
                 else []
             )
+            + ([f"decode steps of up to {PACKED_ROWS} sequences: the whole decoder in one call"] if fused else [])
             + ([f"vision tower: oneDNN, {packed} layers' weights prepacked"] if packed else [])
         )
         or "none",

@@ -788,18 +788,39 @@ int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_
  * spent ~16 ms of its ~75 ms between the weight products (on the Zen 4 machine of
  * docs/benchmarks.md): per layer ~12 torch ops and ctypes calls, each 10-90 us there because the
  * weights streaming past (93 MB a layer) leave the interpreter's and torch's code and data cold in
- * every cache. Here the same kernels run back to back: the packed products, rotary, the KV write,
- * paged decode attention, SwiGLU and the RMSNorms (the residual add fused into the next norm, as
- * torch's bf16 add rounds): the same bits as the layer-by-layer path.
+ * every cache. Here the same kernels run back to back: the products, rotary, the KV write, paged
+ * decode attention, SwiGLU and the RMSNorms (the residual add fused into the next norm, as torch's
+ * bf16 add rounds): the same bits as the layer-by-layer path.
  *
- * layers: 8 addresses per layer: input_layernorm [H], qkv_proj (packed [q + 2 kv, H]), its bias
- * [q + 2 kv] (0: none), o_proj (packed [H, q]), post_attention_layernorm [H], gate_up_proj (packed
- * [2 I, H]), down_proj (packed [H, I]), the layer's KV cache [2, num_blocks, block_size, kv heads,
- * D]. x [M, H]: the embeddings, overwritten by the residual stream; out [M, H]: the final norm of
- * the last layer's output. cos, sin [M, D] bf16; slots [M] (a negative slot writes no K/V);
+ * layers: DECODE_FIELDS addresses per layer: input_layernorm [H], post_attention_layernorm [H], the
+ * layer's KV cache [2, num_blocks, block_size, kv heads, D], 0; then qkv_proj ([q + 2 kv, H]),
+ * o_proj ([H, q]), gate_up_proj ([2 I, H]) and down_proj ([H, I]), four fields each: {0, the weight
+ * in oneDNN's layout (vlm_linear_packed_avx512), 0, a bf16 bias or 0} or {vlm_linear_int8_avx512's
+ * address (cpu_int8_avx512.c, its own shared object), int8 weight, fp32 scales, fp32 bias or 0}.
+ * x [M, H]: the embeddings, overwritten by the residual stream; out [M, H]: the final norm of the
+ * last layer's output. cos, sin [M, D] bf16; slots [M] (a negative slot writes no K/V);
  * block_tables [M, max_blocks], seq_lens [M] (with the new token). Returns 0, -1 where a shape or
  * alignment is not the kernels' (checked before anything is written), -2 without memory.
  */
+#define DECODE_FIELDS 20
+
+typedef void (*int8_product_fn)(const uint16_t *x, const int8_t *q, const float *scale, const float *b, void *y,
+                                int64_t M, int64_t N, int64_t K, int64_t out_bf16);
+
+/* y [M, N] bf16 = x [M, K] times the product described by p (four fields: see above) */
+static void decode_product(const int64_t *p, const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K,
+                           float *sums) {
+    if (p[0] == 0)
+        packed_product(x, (const uint16_t *)p[1], (const uint16_t *)p[3], y, M, N, K, sums);
+    else
+        ((int8_product_fn)(uintptr_t)p[0])(x, (const int8_t *)p[1], (const float *)p[2], (const float *)p[3], y, M,
+                                           N, K, 1);
+}
+
+static int decode_product_ok(const int64_t *p, int64_t N, int64_t K) {
+    return p[0] != 0 || packed_shape_ok((const uint16_t *)p[1], N, K);
+}
+
 int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, int64_t num_layers,
                             const uint16_t *final_norm, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                             const int64_t *block_tables, const int64_t *seq_lens, int64_t M, int64_t H, int64_t I,
@@ -810,9 +831,9 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
         num_heads / num_kv_heads > ATT_MAX_GROUP || H % 2 || I % 2)
         return -1;
     for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *p = layers + 8 * l;
-        if (!packed_shape_ok((const uint16_t *)p[1], n_qkv, H) || !packed_shape_ok((const uint16_t *)p[3], H, q_size) ||
-            !packed_shape_ok((const uint16_t *)p[5], 2 * I, H) || !packed_shape_ok((const uint16_t *)p[6], H, I))
+        const int64_t *p = layers + DECODE_FIELDS * l;
+        if (!decode_product_ok(p + 4, n_qkv, H) || !decode_product_ok(p + 8, H, q_size) ||
+            !decode_product_ok(p + 12, 2 * I, H) || !decode_product_ok(p + 16, H, I))
             return -1;
     }
     const size_t elems = (size_t)(M * (H + n_qkv + q_size + H + 3 * I));
@@ -828,9 +849,9 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
     const int64_t v_offset = num_blocks * block_size * kv_size;
     add_rms_norm_rows(x, NULL, (const uint16_t *)layers[0], NULL, h, M, H, eps);
     for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *p = layers + 8 * l;
-        uint16_t *cache = (uint16_t *)p[7];
-        packed_product(h, (const uint16_t *)p[1], (const uint16_t *)p[2], qkv, M, n_qkv, H, sums);
+        const int64_t *p = layers + DECODE_FIELDS * l;
+        uint16_t *cache = (uint16_t *)p[2];
+        decode_product(p + 4, h, qkv, M, n_qkv, H, sums);
         vlm_rotary_qk_avx512(qkv, qkv + q_size, n_qkv, n_qkv, cos, sin, M, num_heads, num_kv_heads, D, 1);
         for (int64_t m = 0; m < M; m++) {
             if (slots[m] < 0) continue;
@@ -840,14 +861,14 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
         }
         decode_attention_avx512(qkv, n_qkv, cache, block_tables, seq_lens, attn, M, num_heads, num_kv_heads, D,
                                 num_blocks, block_size, max_blocks, scale);
-        packed_product(attn, (const uint16_t *)p[3], NULL, o, M, H, q_size, sums);
-        add_rms_norm_rows(x, o, (const uint16_t *)p[4], x, h, M, H, eps);
-        packed_product(h, (const uint16_t *)p[5], NULL, gu, M, 2 * I, H, sums);
+        decode_product(p + 8, attn, o, M, H, q_size, sums);
+        add_rms_norm_rows(x, o, (const uint16_t *)p[1], x, h, M, H, eps);
+        decode_product(p + 12, h, gu, M, 2 * I, H, sums);
         vlm_activation_bf16_avx512(gu, act, M, I, 2 * I, 1);
-        packed_product(act, (const uint16_t *)p[6], NULL, o, M, H, I, sums);
+        decode_product(p + 16, act, o, M, H, I, sums);
         const int last = l + 1 == num_layers;
-        add_rms_norm_rows(x, o, last ? final_norm : (const uint16_t *)layers[8 * (l + 1)], x, last ? out : h, M, H,
-                          eps);
+        const uint16_t *next_norm = last ? final_norm : (const uint16_t *)layers[DECODE_FIELDS * (l + 1)];
+        add_rms_norm_rows(x, o, next_norm, x, last ? out : h, M, H, eps);
     }
     free(buf);
     free(sums);

@@ -10,10 +10,11 @@ the same kernels back to back for every layer and the final norm, so the step gi
 
 Where it applies (enable_fused_decode, at build time): bf16 on a CPU with the AVX-512 kernels and
 no other CPU path forced, tensor_parallel_size 1, every decoder product on reordered weights
-(models/prepack.py), the attention backend's CPU decode kernel in use, a head_dim the AVX-512
-decode attention takes. Per step: every sequence decoding one token (a pure decode step, no pruned
-output rows), at most PACKED_ROWS of them; any other step runs layer by layer.
-VLMSERVE_FUSED_DECODE=0 keeps every step layer by layer.
+(models/prepack.py) or int8 ones (quantization="int8", the AVX-512 int8 kernel), the attention
+backend's CPU decode kernel in use, a head_dim the AVX-512 decode attention takes. Per step:
+every sequence decoding one token (a pure decode step, no pruned output rows), at most
+PACKED_ROWS of them; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0 keeps every step
+layer by layer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 from typing import TYPE_CHECKING, cast
 
 import torch
+from torch import nn
 
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.distributed import tp_size
@@ -30,6 +32,7 @@ from vlmserve.kernels.cpu import Avx512Kernels
 from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import ADDRESS_ATTR, PACKED_ROWS, packed_linear
 from vlmserve.models.layers import Linear
+from vlmserve.models.quant.int8 import Int8Linear
 
 if TYPE_CHECKING:
     from vlmserve.families.qwen2_vl.decoder import Qwen2DecoderLayer, Qwen2Model
@@ -37,8 +40,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _packed_address(linear: Linear) -> int | None:
-    return getattr(linear.weight, ADDRESS_ATTR, None) if linear.op is packed_linear else None
+def _packed_address(linear: nn.Module) -> int | None:
+    if isinstance(linear, Linear) and linear.op is packed_linear:
+        return getattr(linear.weight, ADDRESS_ATTR, None)
+    return None
+
+
+def _int8_product(linear: nn.Module) -> int | None:
+    """vlm_linear_int8_avx512's address where an Int8Linear's decode runs it (its collective, a
+    row-parallel layer's, is the identity at the tensor_parallel_size 1 build requires)."""
+    if isinstance(linear, Int8Linear):
+        kernel = linear.kernel
+        if kernel is not None and kernel.decode and kernel.avx512 is not None:
+            return kernel.avx512.product_address
+    return None
+
+
+def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int]:
+    """The four fields vlm_qwen2_decode_avx512 reads for a product (see there); `keep` holds the
+    tensors made for it (an int8 layer's bias in fp32, as its own path passes it)."""
+    address = _packed_address(linear)
+    if isinstance(linear, Linear) and address is not None:
+        return [0, address, 0, 0 if linear.bias is None else linear.bias.data_ptr()]
+    product = _int8_product(linear)
+    assert isinstance(linear, Int8Linear) and product is not None
+    bias32 = None if linear.bias is None else linear.bias.float()
+    if bias32 is not None:
+        keep.append(bias32)
+    return [product, linear.qweight.data_ptr(), linear.scales.data_ptr(), 0 if bias32 is None else bias32.data_ptr()]
 
 
 class FusedQwen2Decode:
@@ -52,11 +81,12 @@ class FusedQwen2Decode:
         first = layers[0]
         self.num_heads = first.self_attn.num_heads
         self.scale = first.self_attn.attn.scale
-        self.intermediate_size = first.mlp.down_proj.in_features
+        self.intermediate_size = first.mlp.down_proj.in_features  # a Linear or an Int8Linear
         # The address table, built on the first step (after the engine binds the KV caches and
         # moves the weights onto huge pages) and again if the caches are bound anew.
         self._caches: list[torch.Tensor] = []
         self._table: torch.Tensor | None = None
+        self._keep: list[torch.Tensor] = []
 
     @classmethod
     def build(cls, model: Qwen2Model) -> FusedQwen2Decode | None:
@@ -127,38 +157,34 @@ class FusedQwen2Decode:
         caches = [c for c in bound if c is not None and c.is_contiguous() and c.dtype == torch.bfloat16]
         if len(caches) != len(bound) or any(c.shape != caches[0].shape for c in caches):
             return None
-        rows = []
+        rows: list[list[int]] = []
+        keep: list[torch.Tensor] = []
         for layer, cache in zip(self.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            bias = attn.qkv_proj.bias
-            rows.append(
-                [
-                    layer.input_layernorm.weight.data_ptr(),
-                    _packed_address(attn.qkv_proj),
-                    0 if bias is None else bias.data_ptr(),
-                    _packed_address(attn.o_proj),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    _packed_address(mlp.gate_up_proj),
-                    _packed_address(mlp.down_proj),
-                    cache.data_ptr(),
-                ]
-            )
+            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+            row += [cache.data_ptr(), 0]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                row += _product_fields(linear, keep)
+            rows.append(row)
+        self._keep = keep
         self._caches = caches
         self._table = torch.tensor(rows, dtype=torch.int64)
         return self._table
 
 
 def _applies(layer: Qwen2DecoderLayer, eps: float) -> bool:
-    """Whether the fused kernel computes this layer as its modules do."""
+    """Whether the fused kernel computes this layer as its modules do: each product on reordered
+    bf16 weights (models/prepack.py) or int8 ones with the AVX-512 decode kernel."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     backend = attn.attn.backend
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    qkv_bias = attn.qkv_proj.bias
     return (
-        all(_packed_address(linear) is not None for linear in linears)
+        all(_packed_address(linear) is not None or _int8_product(linear) is not None for linear in linears)
         and all(linear.bias is None for linear in linears[1:])
-        and (attn.qkv_proj.bias is None or attn.qkv_proj.bias.dtype == torch.bfloat16)
+        and (qkv_bias is None or qkv_bias.dtype == torch.bfloat16)
         and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() and n.eps == eps for n in norms)
         and getattr(backend, "decode_kernel", None) is not None
         and head_dim % 32 == 0
