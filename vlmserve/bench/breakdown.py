@@ -1,6 +1,8 @@
 """Where the time of one request goes, measured: `python -m vlmserve.bench.breakdown [MODEL]`.
 
-Decode step (one request, a few hundred tokens of context):
+Decode step (one request, a few hundred tokens of context; where the decoder runs a decode step in
+one call, FusedQwen2Decode, the parts come from steps run layer by layer, in rounds alternating
+with fused ones):
   - the matrix-vector products (every Linear of the language model and lm_head), timed one by
     one on their own, with the bytes they stream and the bandwidth that makes;
   - the model's forward pass as a whole (so norms, rotary, attention are forward - matmuls);
@@ -56,6 +58,20 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
     rounds (medians)."""
     engine = llm.llm_engine
     model, runner = engine.model, engine.runner
+    # A decoder that runs a decode step in one call (FusedQwen2Decode) has no parts to time: the
+    # parts come from steps run layer by layer, and the fused step from rounds alternating with them.
+    fused: list[tuple[Any, Any]] = [(m, getattr(m, "fused_decode", None)) for m in model.modules()]
+    fused = [(m, call) for m, call in fused if call is not None]
+
+    def use_fused(on: bool) -> None:
+        for module, call in fused:
+            module.fused_decode = call if on else None
+
+    ids = torch.randint(0, 150000, (context,)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=rounds * steps * (2 if fused else 1) + 8, ignore_eos=True)
+    engine.add_request("bd", engine.processor.process(ids, []), params)
+    engine.step()  # prefill
+    engine.step()  # the first decode step: a fused decoder takes its weights' addresses, before the timers wrap them
     timers = _Timers()
     for name, module in model.named_modules():
         if isinstance(module, Linear) and not name.startswith("visual"):
@@ -71,25 +87,29 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
             backend.decode_kernel = timers.wrap("decode_attention", backend.decode_kernel)
             break  # one backend object is shared by every layer
 
-    ids = torch.randint(0, 150000, (context,)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=rounds * steps + 8, ignore_eos=True)
-    engine.add_request("bd", engine.processor.process(ids, []), params)
-    engine.step()  # prefill
-    engine.step()
     ours: list[tuple[float, dict[str, float]]] = []  # (step, its parts) by round
     hf_steps: list[float] = []
     hf_forwards: list[float] = []
+    fused_steps: list[float] = []
     for _ in range(rounds):
+        use_fused(False)
         timers.seconds.clear()
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         ours.append(((time.perf_counter() - start) / steps, {k: v / steps for k, v in timers.seconds.items()}))
+        if fused:
+            use_fused(True)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            fused_steps.append((time.perf_counter() - start) / steps)
         if hf is not None:
             hf_steps.append(_hf_step(hf, ids, 16))
             hf_forwards.append(_hf_forward(hf, ids))
     engine.abort_request("bd")
     model_runner.greedy_tokens = greedy
+    use_fused(True)
 
     # The median round, with the parts timed inside its own steps (another round's parts need not
     # add up to this one's step on a noisy machine).
@@ -100,7 +120,8 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
     matmuls = parts["layer_matmuls"]
     attention = parts.get("decode_attention", 0.0)
     out = {
-        "vlmserve_step_s": step,
+        **({"vlmserve_step, the decoder in one fused call_s": statistics.median(fused_steps)} if fused else {}),
+        "vlmserve_step" + (", layer by layer" if fused else "") + "_s": step,
         "  layer matmuls_s": matmuls,
         "  lm_head_s": parts["lm_head"],
         "  decode attention_s": parts.get("decode_attention", 0.0),

@@ -56,14 +56,16 @@ def _int8_product(linear: nn.Module) -> int | None:
     return None
 
 
-def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int]:
-    """The four fields vlm_qwen2_decode_avx512 reads for a product (see there); `keep` holds the
+def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int] | None:
+    """The four fields vlm_qwen2_decode_avx512 reads for a product (see there), None where the
+    layer no longer runs one of its products (its op rebound since the build); `keep` holds the
     tensors made for it (an int8 layer's bias in fp32, as its own path passes it)."""
     address = _packed_address(linear)
     if isinstance(linear, Linear) and address is not None:
         return [0, address, 0, 0 if linear.bias is None else linear.bias.data_ptr()]
     product = _int8_product(linear)
-    assert isinstance(linear, Int8Linear) and product is not None
+    if not isinstance(linear, Int8Linear) or product is None:
+        return None
     bias32 = None if linear.bias is None else linear.bias.float()
     if bias32 is not None:
         keep.append(bias32)
@@ -83,7 +85,8 @@ class FusedQwen2Decode:
         self.scale = first.self_attn.attn.scale
         self.intermediate_size = first.mlp.down_proj.in_features  # a Linear or an Int8Linear
         # The address table, built on the first step (after the engine binds the KV caches and
-        # moves the weights onto huge pages) and again if the caches are bound anew.
+        # moves the weights onto huge pages) and again if the caches are bound anew; a step whose
+        # table cannot be built (a product's op rebound before it was) runs layer by layer.
         self._caches: list[torch.Tensor] = []
         self._table: torch.Tensor | None = None
         self._keep: list[torch.Tensor] = []
@@ -164,7 +167,10 @@ class FusedQwen2Decode:
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
             row += [cache.data_ptr(), 0]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                row += _product_fields(linear, keep)
+                fields = _product_fields(linear, keep)
+                if fields is None:
+                    return None
+                row += fields
             rows.append(row)
         self._keep = keep
         self._caches = caches
