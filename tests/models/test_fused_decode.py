@@ -19,7 +19,7 @@ from vlmserve.families.qwen2_vl import decoder
 from vlmserve.families.qwen2_vl.fused_decode import FusedQwen2Decode
 from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import prepack_available
+from vlmserve.kernels.onednn import PACKED_ROWS, prepack_available
 
 pytestmark = pytest.mark.skipif(
     avx512_kernels() is None or not prepack_available(), reason="needs the AVX-512 BF16 kernels and oneDNN's reorder"
@@ -107,3 +107,23 @@ def test_float32_decodes_layer_by_layer(checkpoint: Path) -> None:
     with torch.inference_mode():
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3
+
+
+def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, bool]] = []
+    fused_call = FusedQwen2Decode.__call__
+
+    def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
+        out = fused_call(self, x, cos, sin, meta)
+        calls.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=40, kv_cache_memory_gib=0.02)
+    prompts = [f"Number {i}" for i in range(PACKED_ROWS + 1)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert (PACKED_ROWS + 1, False) in calls  # the decode steps of all 33: layer by layer
+    assert not any(fused for rows, fused in calls if rows > PACKED_ROWS)
