@@ -37,6 +37,21 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return write_tiny_qwen2_vl(tmp_path_factory.mktemp("fused") / request.param, spec, seed=7)
 
 
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Every FusedQwen2Decode call: (rows, whether the fused kernel ran the step)."""
+    seen: list[tuple[int, bool]] = []
+    fused_call = FusedQwen2Decode.__call__
+
+    def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
+        out = fused_call(self, x, cos, sin, meta)
+        seen.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
+    return seen
+
+
 def _run(
     checkpoint: Path, image: Image.Image, quantization: str | None
 ) -> tuple[list[list[int]], list[list[dict[int, float]]], LLM]:
@@ -64,17 +79,12 @@ def _run(
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_fused_decode_gives_the_layer_paths_bits(
-    checkpoint: Path, images: dict[str, Image.Image], monkeypatch: pytest.MonkeyPatch, quantization: str | None
+    checkpoint: Path,
+    images: dict[str, Image.Image],
+    monkeypatch: pytest.MonkeyPatch,
+    calls: list[tuple[int, bool]],
+    quantization: str | None,
 ) -> None:
-    calls: list[tuple[int, bool]] = []  # (rows, whether the fused kernel ran the step)
-    fused_call = FusedQwen2Decode.__call__
-
-    def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
-        out = fused_call(self, x, cos, sin, meta)
-        calls.append((x.shape[0], out is not None))
-        return out
-
-    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
     tokens, logprobs, llm = _run(checkpoint, images["wide"], quantization)
     model = llm.llm_engine.model.model
     assert isinstance(model, decoder.Qwen2Model) and model.fused_decode is not None
@@ -110,17 +120,8 @@ def test_float32_decodes_layer_by_layer(checkpoint: Path) -> None:
 
 
 def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, calls: list[tuple[int, bool]]
 ) -> None:
-    calls: list[tuple[int, bool]] = []
-    fused_call = FusedQwen2Decode.__call__
-
-    def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
-        out = fused_call(self, x, cos, sin, meta)
-        calls.append((x.shape[0], out is not None))
-        return out
-
-    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
     llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=40, kv_cache_memory_gib=0.02)
     prompts = [f"Number {i}" for i in range(PACKED_ROWS + 1)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))

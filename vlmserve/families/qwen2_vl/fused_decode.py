@@ -121,7 +121,7 @@ class FusedQwen2Decode:
         None for any other step (the caller runs it layer by layer)."""
         m = x.shape[0]
         if (
-            m > PACKED_ROWS
+            not 0 < m <= PACKED_ROWS
             or meta.output_rows is not None
             or meta.num_seqs != m
             or meta.query_start_loc[-1] != m
