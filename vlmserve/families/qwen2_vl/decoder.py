@@ -122,7 +122,7 @@ class Qwen2Model(nn.Module):
     def enable_fused_decode(self) -> bool:
         """Run pure decode steps through FusedQwen2Decode where it applies (called once the weights
         are in their final layout: models/build.py); whether it does."""
-        self.fused_decode = FusedQwen2Decode.build(self)
+        self.fused_decode = FusedQwen2Decode.build(self, (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP))
         return self.fused_decode is not None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,9 +33,6 @@ from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import ADDRESS_ATTR, PACKED_ROWS, packed_linear
 from vlmserve.models.layers import Linear
 from vlmserve.models.quant.int8 import Int8Linear
-
-if TYPE_CHECKING:
-    from vlmserve.families.qwen2_vl.decoder import Qwen2DecoderLayer, Qwen2Model
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +72,7 @@ def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int] | 
 class FusedQwen2Decode:
     """The model's decoder as vlm_qwen2_decode_avx512 reads it: built by `build` where it applies."""
 
-    def __init__(self, model: Qwen2Model, layers: list[Qwen2DecoderLayer], kernels: Avx512Kernels, eps: float) -> None:
+    def __init__(self, model: Any, layers: list[Any], kernels: Avx512Kernels, eps: float) -> None:
         self.model = model
         self.layers = layers
         self.kernels = kernels
@@ -92,13 +89,15 @@ class FusedQwen2Decode:
         self._keep: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, model: Qwen2Model) -> FusedQwen2Decode | None:
-        from vlmserve.families.qwen2_vl.decoder import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP
-
+    def build(cls, model: Any, kinds: tuple[type[nn.Module], ...]) -> FusedQwen2Decode | None:
+        """For a Qwen2Model (decoder.py) whose layers, their attention and MLP are exactly `kinds`
+        (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP: passed in, so that this module does not import
+        decoder.py, which imports it); None where the fused kernel does not apply."""
+        layer_kind, attention_kind, mlp_kind = kinds
         if os.environ.get("VLMSERVE_FUSED_DECODE", "1") == "0" or tp_size() != 1:
             return None
         kernels = avx512_kernels()
-        layers = cast("list[Qwen2DecoderLayer]", list(model.layers))
+        layers: list[Any] = list(model.layers)
         if kernels is None or not layers:
             return None
         eps = model.norm.eps
@@ -106,9 +105,9 @@ class FusedQwen2Decode:
             return None
         for layer in layers:
             if not (
-                type(layer) is Qwen2DecoderLayer
-                and type(layer.self_attn) is Qwen2Attention
-                and type(layer.mlp) is Qwen2MLP
+                type(layer) is layer_kind
+                and type(layer.self_attn) is attention_kind
+                and type(layer.mlp) is mlp_kind
                 and _applies(layer, eps)
             ):
                 return None
@@ -178,7 +177,7 @@ class FusedQwen2Decode:
         return self._table
 
 
-def _applies(layer: Qwen2DecoderLayer, eps: float) -> bool:
+def _applies(layer: Any, eps: float) -> bool:
     """Whether the fused kernel computes this layer as its modules do: each product on reordered
     bf16 weights (models/prepack.py) or int8 ones with the AVX-512 decode kernel."""
     attn, mlp = layer.self_attn, layer.mlp
