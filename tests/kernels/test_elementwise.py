@@ -72,6 +72,28 @@ def _qkv(rows: int, nq: int, nk: int, d: int, seed: int) -> torch.Tensor:
     return (torch.randn(rows, (nq + 2 * nk) * d, generator=g) * 3).bfloat16()
 
 
+@needs_kernels
+@pytest.mark.parametrize("tokens", [1, 3, 20])  # 20: the tokens are split among threads
+def test_rms_norm_heads_normalises_each_head_of_a_qkv_view_in_place(tokens: int) -> None:
+    nq, nk, d = 4, 2, 32
+    qkv = _qkv(tokens, nq, nk, d, seed=tokens)
+    before = qkv.clone()
+    norm = RMSNorm(d, eps=1e-6).bfloat16()
+    norm.weight.data = (torch.rand(d, generator=torch.Generator().manual_seed(5)) + 0.5).bfloat16()
+    k = qkv[:, nq * d : (nq + nk) * d].view(tokens, nk, d)  # rows (nq + 2 nk) d apart
+    with torch.inference_mode():
+        out = norm.heads_(k)
+        rows = norm(before[:, nq * d : (nq + nk) * d].reshape(tokens * nk, d).contiguous())
+    assert out.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(out.reshape(tokens * nk, d), rows)  # the row kernel's bits, head by head
+    want = _torch_rms_norm(before[:, nq * d : (nq + nk) * d].view(tokens, nk, d), norm.weight, 1e-6)
+    assert _bf16_ulps(out, want).max() <= 1  # torch's expression but for the mean's summation order
+    assert torch.equal(qkv[:, : nq * d], before[:, : nq * d])  # q and v untouched
+    assert torch.equal(qkv[:, (nq + nk) * d :], before[:, (nq + nk) * d :])
+    xf = before[:, : nq * d].float().view(tokens, nq, d)  # float32: torch's expression, a new tensor
+    assert torch.equal(norm.float().heads_(xf), _torch_rms_norm(xf, norm.weight, 1e-6))
+
+
 @pytest.fixture(params=["auto", "avx2"])
 def rotary_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The rotary kernel under test: the AVX-512 one where it builds ("auto"), and the scalar one of

@@ -1,8 +1,9 @@
-"""The Qwen2 decoder's decode step in one kernel call (families/qwen2_vl/fused_decode.py): where it
-applies (bf16, AVX-512 kernels, reordered decoder weights, head_dim a multiple of 32), an engine
-gives the same tokens and the same log-probabilities bit for bit as one decoding layer by layer
-(VLMSERVE_FUSED_DECODE=0), over several sequences of different lengths, one with an image; steps
-that are not pure decode steps run layer by layer."""
+"""A decode step's whole decoder in one kernel call (models/fused_decode.py): where it applies
+(bf16, AVX-512 kernels, reordered decoder weights, head_dim a multiple of 32), an engine gives the
+same tokens and the same log-probabilities bit for bit as one decoding layer by layer
+(VLMSERVE_FUSED_DECODE=0), over several sequences of different lengths, one with an image:
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (its per-head q/k norms; DeepStack in the image's prefill);
+steps that are not pure decode steps, and Qwen3-VL-MoE, run layer by layer."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from PIL import Image
 
 from vlmserve import LLM, SamplingParams
 from vlmserve.engine.banner import engine_summary
-from vlmserve.families.qwen2_vl import decoder
-from vlmserve.families.qwen2_vl.fused_decode import FusedQwen2Decode
 from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
+from vlmserve.families.qwen3_vl import tiny as qwen3_tiny
 from vlmserve.kernels import dispatch
 from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import PACKED_ROWS, prepack_available
+from vlmserve.models.fused_decode import FusedDecode
 
 pytestmark = pytest.mark.skipif(
     avx512_kernels() is None or not prepack_available(), reason="needs the AVX-512 BF16 kernels and oneDNN's reorder"
@@ -29,27 +30,32 @@ pytestmark = pytest.mark.skipif(
 # The tiny checkpoints' decoder widened to shapes the fused kernel takes: head_dim 32 (4 query and
 # 2 KV heads over 128), qkv 256, gate_up 384 outputs (multiples of 64).
 WIDE = {"hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 3, "mrope_section": (4, 6, 6)}
+# Qwen3-VL: the same widths, head_dim 32 explicit, interleaved M-RoPE over its 16 frequencies.
+WIDE3 = {**WIDE, "head_dim": 32, "mrope_section": (6, 5, 5)}
 PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fused") / request.param
+    if request.param == "qwen3_vl":
+        return qwen3_tiny.write_tiny_qwen3_vl(out, replace(qwen3_tiny.TinySpec(), **WIDE3), seed=7)
     spec = replace(TinySpec() if request.param == "qwen2_vl" else QWEN2_5_VL_SPEC, **WIDE)
-    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("fused") / request.param, spec, seed=7)
+    return write_tiny_qwen2_vl(out, spec, seed=7)
 
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Every FusedQwen2Decode call: (rows, whether the fused kernel ran the step)."""
+    """Every FusedDecode call: (rows, whether the fused kernel ran the step)."""
     seen: list[tuple[int, bool]] = []
-    fused_call = FusedQwen2Decode.__call__
+    fused_call = FusedDecode.__call__
 
     def spy(self, x, cos, sin, meta):  # type: ignore[no-untyped-def]
         out = fused_call(self, x, cos, sin, meta)
         seen.append((x.shape[0], out is not None))
         return out
 
-    monkeypatch.setattr(FusedQwen2Decode, "__call__", spy)
+    monkeypatch.setattr(FusedDecode, "__call__", spy)
     return seen
 
 
@@ -92,12 +98,14 @@ def test_fused_decode_gives_the_layer_paths_bits(
     measure = dispatch.measure
     monkeypatch.setattr(dispatch, "measure", lambda ops, shapes: measure(ops, shapes, budget_s=0.0))
     tokens, logprobs, llm = _run(checkpoint, images["wide"], quantization)
-    model = llm.llm_engine.model.model
-    assert isinstance(model, decoder.Qwen2Model) and model.fused_decode is not None
+    assert llm.llm_engine.model.model.fused_decode is not None
     assert "whole decoder in one call" in engine_summary(llm.llm_engine.core, str(checkpoint))["linear layers"]
     ran = [rows for rows, fused in calls if fused]
     assert ran and max(ran) == 4  # the four sequences decoded together in one call
-    assert any(not fused for _, fused in calls)  # the prompts' steps went layer by layer
+    # The prompts' step went layer by layer: declined by the fused call, or (Qwen3-VL: the image's
+    # DeepStack features ride along) never offered to it.
+    assert any(not fused for _, fused in calls) == (checkpoint.name != "qwen3_vl")
+    assert len(ran) == 19  # every decode step after the prompts' (20 tokens, the first from the prefill)
     del llm
 
     calls.clear()
@@ -134,3 +142,12 @@ def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     assert (PACKED_ROWS + 1, False) in calls  # the decode steps of all 33: layer by layer
     assert not any(fused for rows, fused in calls if rows > PACKED_ROWS)
+
+
+def test_qwen3_vl_moe_decodes_layer_by_layer(tmp_path: Path) -> None:
+    spec = replace(qwen3_tiny.MOE_SPEC, **WIDE3)
+    llm = LLM(qwen3_tiny.write_tiny_qwen3_vl(tmp_path / "moe", spec), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory_gib=0.01)  # fmt: skip
+    assert llm.llm_engine.model.model.fused_decode is None  # its expert layers are not the kernel's
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3

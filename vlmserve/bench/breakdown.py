@@ -1,7 +1,7 @@
 """Where the time of one request goes, measured: `python -m vlmserve.bench.breakdown [MODEL]`.
 
 Decode step (one request, a few hundred tokens of context; where the decoder runs a decode step in
-one call, FusedQwen2Decode, the parts come from steps run layer by layer, in rounds alternating
+one call, models/fused_decode.py, the parts come from steps run layer by layer, in rounds alternating
 with fused ones):
   - the matrix-vector products (every Linear of the language model and lm_head), timed one by
     one on their own, with the bytes they stream and the bandwidth that makes;
@@ -58,7 +58,7 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
     rounds (medians)."""
     engine = llm.llm_engine
     model, runner = engine.model, engine.runner
-    # A decoder that runs a decode step in one call (FusedQwen2Decode) has no parts to time: the
+    # A decoder that runs a decode step in one call (FusedDecode) has no parts to time: the
     # parts come from steps run layer by layer, and the fused step from rounds alternating with them.
     fused: list[tuple[Any, Any]] = [(m, getattr(m, "fused_decode", None)) for m in model.modules()]
     fused = [(m, call) for m, call in fused if call is not None]

@@ -54,7 +54,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     linear = bound_linear_op(core.model) if in_process else None
     packed = prepacked_layers(core.model) if in_process else 0
     decoder = prepacked_layers(core.model, packed_linear) if in_process else 0
-    # a decoder that runs a decode step in one kernel call (the Qwen2 decoder's FusedQwen2Decode)
+    # a decoder that runs a decode step in one kernel call (models/fused_decode.py: the Qwen2 and Qwen3 decoders)
     fused = in_process and any(getattr(m, "fused_decode", None) is not None for m in core.model.modules())
     return {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",

@@ -41,33 +41,49 @@ static inline void rotary_tokens(rotate_heads_fn rotate, uint16_t *q, uint16_t *
     }
 }
 
-/* RMSNorm after a residual add, rows of H (bf16): sum[m] = x[m] + delta[m] (skipped when delta is
- * NULL: sum is x; sum may be x itself), out[m] = w * bf16(sum * rsqrt(mean(sum^2) + eps)). Rounded
- * where torch's bf16 ops of models/layers.py round; the mean's sum in eight interleaved parts. One
- * source for cpu_linear.c's kernel and cpu_linear_avx512.c's fused decode: the same bits from both
- * (built without FMA contraction, -std=c11). */
+/* RMSNorm after a residual add, one row of H (bf16): sum = x + delta (skipped when delta is NULL:
+ * sum is x; sum may be x itself), out = w * bf16(sum * rsqrt(mean(sum^2) + eps)); out may be x.
+ * Rounded where torch's bf16 ops of models/layers.py round; the mean's sum in eight interleaved
+ * parts. One source for cpu_linear.c's kernels and cpu_linear_avx512.c's fused decode: the same
+ * bits from both (built without FMA contraction, -std=c11). */
+static inline void add_rms_norm_row(const uint16_t *x, const uint16_t *delta, const uint16_t *w, uint16_t *sum,
+                                    uint16_t *out, int64_t H, float eps) {
+    uint16_t *s_row = delta ? sum : (uint16_t *)x;
+    float acc[8] = {0};
+    for (int64_t i = 0; i < H; i++) {
+        float s = bf16_to_f32(x[i]);
+        if (delta) {
+            s_row[i] = f32_to_bf16(s + bf16_to_f32(delta[i]));
+            s = bf16_to_f32(s_row[i]);
+        }
+        acc[i & 7] += s * s;
+    }
+    const float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float r = 1.0f / sqrtf(total / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(s_row[i]) * r));
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+    }
+}
+
+/* add_rms_norm_row on rows [M, H] (x, delta, sum and out contiguous). */
 static inline void add_rms_norm_rows(const uint16_t *x, const uint16_t *delta, const uint16_t *w, uint16_t *sum,
                                      uint16_t *out, int64_t M, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * H;
-        uint16_t *sr = delta ? sum + m * H : (uint16_t *)xr;
-        float acc[8] = {0};
-        for (int64_t i = 0; i < H; i++) {
-            float s = bf16_to_f32(xr[i]);
-            if (delta) {
-                sr[i] = f32_to_bf16(s + bf16_to_f32(delta[m * H + i]));
-                s = bf16_to_f32(sr[i]);
-            }
-            acc[i & 7] += s * s;
+    for (int64_t m = 0; m < M; m++)
+        add_rms_norm_row(x + m * H, delta ? delta + m * H : NULL, w, delta ? sum + m * H : NULL, out + m * H, H, eps);
+}
+
+/* RMSNorm of each head in place: x [M, heads, D] with rows `stride` elements apart and heads
+ * contiguous (views of a fused qkv output), w [D]: Qwen3's q_norm and k_norm. */
+static inline void rms_norm_heads(uint16_t *x, int64_t stride, const uint16_t *w, int64_t M, int64_t heads,
+                                  int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *row = x + m * stride + h * D;
+            add_rms_norm_row(row, NULL, w, NULL, row, D, eps);
         }
-        const float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        const float r = 1.0f / sqrtf(total / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) {
-            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(sr[i]) * r));
-            out[m * H + i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
-        }
-    }
 }
 
 #ifdef __AVX512F__

@@ -182,7 +182,8 @@ class CpuKernels:
         lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
         lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
         lib.vlm_argmax_bf16.argtypes = [p, p, i64, i64]
-        for name in ("add_rms_norm_bf16", "rotary_qk_bf16", "argmax_bf16"):
+        lib.vlm_rms_norm_heads_bf16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_float]
+        for name in ("add_rms_norm_bf16", "rms_norm_heads_bf16", "rotary_qk_bf16", "argmax_bf16"):
             getattr(lib, f"vlm_{name}").restype = None
         self._lib = lib
         self.path = library
@@ -233,6 +234,13 @@ class CpuKernels:
             out.data_ptr(), m, h, eps,
         )  # fmt: skip
         return total, out
+
+    def rms_norm_heads_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm of each head in place: x [n, heads, D] bf16 with contiguous heads (rows may be
+        strided: a view of a fused qkv output), weight [D] bf16 (add_rms_norm's arithmetic)."""
+        n, heads, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d and weight.is_contiguous()
+        self._lib.vlm_rms_norm_heads_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), n, heads, d, eps)
 
     def rotary_qk_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate-half rotary embedding in place: q [n, nq, D], k [n, nk, D] bf16 with contiguous
@@ -288,8 +296,8 @@ class Avx512Kernels:
         lib.vlm_linear_packed_avx512.argtypes = [p, p, p, p, i64, i64, i64]
         lib.vlm_linear_packed_avx512.restype = ctypes.c_int
         f32 = ctypes.c_float
-        lib.vlm_qwen2_decode_avx512.argtypes = [p, p, p, i64, p, p, p, p, p, p, *[i64] * 9, f32, f32]
-        lib.vlm_qwen2_decode_avx512.restype = ctypes.c_int
+        lib.vlm_decode_step_avx512.argtypes = [p, p, p, i64, p, p, p, p, p, p, *[i64] * 9, f32, f32]
+        lib.vlm_decode_step_avx512.restype = ctypes.c_int
         self._lib = lib
         self.path = library
 
@@ -321,10 +329,10 @@ class Avx512Kernels:
         )
         return None if failed else y.reshape(*x.shape[:-1], n)
 
-    def qwen2_decode(
+    def decode_step(
         self,
         x: torch.Tensor,  # [M, H] bf16: the embeddings; overwritten by the residual stream
-        layers: torch.Tensor,  # [num_layers, 8] int64: the addresses vlm_qwen2_decode_avx512 lists
+        layers: torch.Tensor,  # [num_layers, 21] int64: the addresses vlm_decode_step_avx512 lists
         final_norm: torch.Tensor,  # [H] bf16
         cos: torch.Tensor,  # [M, head_dim] bf16
         sin: torch.Tensor,
@@ -337,13 +345,13 @@ class Avx512Kernels:
         eps: float,
         scale: float,
     ) -> torch.Tensor | None:
-        """A whole Qwen2 decoder's decode step in one call (vlm_qwen2_decode_avx512): the final norm's
+        """A whole Qwen2 or Qwen3 decoder's decode step in one call (vlm_decode_step_avx512): the final norm's
         output [M, H] bf16, or None where the kernel declines (shapes, alignment, memory) before
         writing anything. The tensors contiguous, int64 where said."""
         m, h = x.shape
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_shape
         out = torch.empty_like(x)
-        failed = self._lib.vlm_qwen2_decode_avx512(
+        failed = self._lib.vlm_decode_step_avx512(
             x.data_ptr(), out.data_ptr(), layers.data_ptr(), layers.shape[0], final_norm.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), m, h, intermediate_size,
             num_heads, num_kv_heads, head_dim, num_blocks, block_size, block_tables.shape[1], eps, scale,

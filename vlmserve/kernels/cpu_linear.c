@@ -329,6 +329,13 @@ void vlm_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, const uint1
     add_rms_norm_rows(x, delta, w, sum, out, M, H, eps);
 }
 
+/* RMSNorm of each head in place on x [M, heads, D] (rows `stride` elements apart, heads
+ * contiguous: views of a fused qkv output), w [D] (bf16.h's rms_norm_heads). */
+void vlm_rms_norm_heads_bf16(uint16_t *x, int64_t stride, const uint16_t *w, int64_t M, int64_t heads, int64_t D,
+                             float eps) {
+    rms_norm_heads(x, stride, w, M, heads, D, eps);
+}
+
 /* Rotate-half rotary embedding in place on q [M, nq, D] and k [M, nk, D] (rows `q_stride` /
  * `k_stride` elements apart, heads contiguous); cos, sin [M, D]:
  * x[i] <- x[i] cos[i] - x[i + D/2] sin[i], x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2].

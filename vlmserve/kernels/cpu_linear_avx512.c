@@ -798,17 +798,18 @@ int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_
 }
 
 /*
- * A whole Qwen2 decoder (Qwen2-VL, Qwen2.5-VL) for a decode step, in one call: M sequences' one
- * new token each, through every layer and the final norm. Why: a one-request step of Qwen2-VL-2B
+ * A whole Qwen2 or Qwen3 decoder (Qwen2-VL, Qwen2.5-VL; Qwen3-VL dense) for a decode step, in one
+ * call: M sequences' one new token each, through every layer and the final norm. Why: a one-request step of Qwen2-VL-2B
  * spent ~16 ms of its ~75 ms between the weight products (on the Zen 4 machine of
  * docs/benchmarks.md): per layer ~12 torch ops and ctypes calls, each 10-90 us there because the
  * weights streaming past (93 MB a layer) leave the interpreter's and torch's code and data cold in
- * every cache. Here the same kernels run back to back: the products, rotary, the KV write, paged
- * decode attention, SwiGLU and the RMSNorms (the residual add fused into the next norm, as torch's
- * bf16 add rounds): the same bits as the layer-by-layer path.
+ * every cache. Here the same kernels run back to back: the products, Qwen3's per-head q/k norms,
+ * rotary, the KV write, paged decode attention, SwiGLU and the RMSNorms (the residual add fused
+ * into the next norm, as torch's bf16 add rounds): the same bits as the layer-by-layer path.
  *
  * layers: DECODE_FIELDS addresses per layer: input_layernorm [H], post_attention_layernorm [H], the
- * layer's KV cache [2, num_blocks, block_size, kv heads, D], 0; then qkv_proj ([q + 2 kv, H]),
+ * layer's KV cache [2, num_blocks, block_size, kv heads, D], q_norm [D] and k_norm [D] (Qwen3;
+ * 0 and 0 for Qwen2, which has none); then qkv_proj ([q + 2 kv, H]),
  * o_proj ([H, q]), gate_up_proj ([2 I, H]) and down_proj ([H, I]), four fields each: {0, the weight
  * in oneDNN's layout (vlm_linear_packed_avx512), 0, a bf16 bias or 0} or {vlm_linear_int8_avx512's
  * address (cpu_int8_avx512.c, its own shared object), int8 weight, fp32 scales, fp32 bias or 0}.
@@ -817,7 +818,8 @@ int vlm_linear_packed_avx512(const uint16_t *x, const uint16_t *w, const uint16_
  * block_tables [M, max_blocks], seq_lens [M] (with the new token). Returns 0, -1 where a shape or
  * alignment is not the kernels' (checked before anything is written), -2 without memory.
  */
-#define DECODE_FIELDS 20
+#define DECODE_FIELDS 21
+#define DECODE_PRODUCTS 5 /* the first product's field */
 
 typedef void (*int8_product_fn)(const uint16_t *x, const int8_t *q, const float *scale, const float *b, void *y,
                                 int64_t M, int64_t N, int64_t K, int64_t out_bf16);
@@ -836,7 +838,7 @@ static int decode_product_ok(const int64_t *p, int64_t N, int64_t K) {
     return p[0] != 0 || packed_shape_ok((const uint16_t *)p[1], N, K);
 }
 
-int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, int64_t num_layers,
+int vlm_decode_step_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, int64_t num_layers,
                             const uint16_t *final_norm, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                             const int64_t *block_tables, const int64_t *seq_lens, int64_t M, int64_t H, int64_t I,
                             int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_blocks,
@@ -847,8 +849,10 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
         return -1;
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *p = layers + DECODE_FIELDS * l;
-        if (!decode_product_ok(p + 4, n_qkv, H) || !decode_product_ok(p + 8, H, q_size) ||
-            !decode_product_ok(p + 12, 2 * I, H) || !decode_product_ok(p + 16, H, I))
+        const int64_t *products = p + DECODE_PRODUCTS;
+        if (!decode_product_ok(products, n_qkv, H) || !decode_product_ok(products + 4, H, q_size) ||
+            !decode_product_ok(products + 8, 2 * I, H) || !decode_product_ok(products + 12, H, I) ||
+            (p[3] == 0) != (p[4] == 0))
             return -1;
     }
     const size_t elems = (size_t)(M * (H + n_qkv + q_size + H + 3 * I));
@@ -865,8 +869,13 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
     add_rms_norm_rows(x, NULL, (const uint16_t *)layers[0], NULL, h, M, H, eps);
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *p = layers + DECODE_FIELDS * l;
+        const int64_t *products = p + DECODE_PRODUCTS;
         uint16_t *cache = (uint16_t *)p[2];
-        decode_product(p + 4, h, qkv, M, n_qkv, H, sums);
+        decode_product(products, h, qkv, M, n_qkv, H, sums);
+        if (p[3]) {
+            rms_norm_heads(qkv, n_qkv, (const uint16_t *)p[3], M, num_heads, D, eps);
+            rms_norm_heads(qkv + q_size, n_qkv, (const uint16_t *)p[4], M, num_kv_heads, D, eps);
+        }
         vlm_rotary_qk_avx512(qkv, qkv + q_size, n_qkv, n_qkv, cos, sin, M, num_heads, num_kv_heads, D, 1);
         for (int64_t m = 0; m < M; m++) {
             if (slots[m] < 0) continue;
@@ -876,11 +885,11 @@ int vlm_qwen2_decode_avx512(uint16_t *x, uint16_t *out, const int64_t *layers, i
         }
         decode_attention_avx512(qkv, n_qkv, cache, block_tables, seq_lens, attn, M, num_heads, num_kv_heads, D,
                                 num_blocks, block_size, max_blocks, scale);
-        decode_product(p + 8, attn, o, M, H, q_size, sums);
+        decode_product(products + 4, attn, o, M, H, q_size, sums);
         add_rms_norm_rows(x, o, (const uint16_t *)p[1], x, h, M, H, eps);
-        decode_product(p + 12, h, gu, M, 2 * I, H, sums);
+        decode_product(products + 8, h, gu, M, 2 * I, H, sums);
         vlm_activation_bf16_avx512(gu, act, M, I, 2 * I, 1);
-        decode_product(p + 16, act, o, M, H, I, sums);
+        decode_product(products + 12, act, o, M, H, I, sums);
         const int last = l + 1 == num_layers;
         const uint16_t *next_norm = last ? final_norm : (const uint16_t *)layers[DECODE_FIELDS * (l + 1)];
         add_rms_norm_rows(x, o, next_norm, x, last ? out : h, M, H, eps);

@@ -80,7 +80,7 @@ class Int8Avx512Kernel:
         lib.vlm_linear_int8_avx512.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
         lib.vlm_linear_int8_avx512.restype = None
         self._lib = lib
-        # for a C caller: the Qwen2 fused decode (cpu_linear_avx512.c's vlm_qwen2_decode_avx512)
+        # for a C caller: the fused decode step (cpu_linear_avx512.c's vlm_decode_step_avx512)
         self.product_address = ctypes.cast(lib.vlm_linear_int8_avx512, ctypes.c_void_p).value
         self.path = library
 

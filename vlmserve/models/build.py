@@ -89,9 +89,9 @@ def build_model(
     if device.type == "cpu":
         move_to_huge_pages(model)  # after the reorder: the plain vision weights are freed, not moved
     if device.type == "cpu":
-        # A decoder that can run a whole decode step in one kernel call (the Qwen2 decoder's
-        # FusedQwen2Decode, on reordered bf16 or int8 weights): offered once they are in their
-        # final layout.
+        # A decoder that can run a whole decode step in one kernel call (models/fused_decode.py:
+        # the Qwen2 and dense Qwen3 decoders on reordered bf16 or int8 weights): offered once they
+        # are in their final layout.
         hooks = [getattr(m, "enable_fused_decode", None) for m in model.modules()]
         if any([hook() for hook in hooks if callable(hook)]):
             logger.info("decoder: each decode step of up to %d sequences in one vlmserve AVX-512 call", PACKED_ROWS)

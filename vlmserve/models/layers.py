@@ -72,6 +72,16 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """This norm over each head of x [n, heads, head_dim] (Qwen3's q_norm, k_norm): in place
+        on the CPU in bf16, where x's heads are contiguous (rows may be strided: a view of a fused
+        qkv output; the same arithmetic as forward's kernel); else forward's result."""
+        kernels = _cpu_bf16_kernels(x, self.weight)
+        if kernels is not None and x.ndim == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            kernels.rms_norm_heads_(x, self.weight, self.eps)
+            return x
+        return self(x)
+
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, this norm of it): a residual add and the next norm, one kernel on the CPU."""
         kernels = _cpu_bf16_kernels(x, delta, self.weight)

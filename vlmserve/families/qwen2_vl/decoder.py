@@ -10,7 +10,7 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
-from vlmserve.families.qwen2_vl.fused_decode import FusedQwen2Decode
+from vlmserve.models.fused_decode import FusedDecode
 from vlmserve.models.layers import RMSNorm, SiluAndMul, apply_rotary_qk
 from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_parts
 
@@ -117,12 +117,12 @@ class Qwen2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope_theta, config.mrope_section)
         # Decode steps in one kernel call where enable_fused_decode finds that it applies.
-        self.fused_decode: FusedQwen2Decode | None = None
+        self.fused_decode: FusedDecode | None = None
 
     def enable_fused_decode(self) -> bool:
-        """Run pure decode steps through FusedQwen2Decode where it applies (called once the weights
+        """Run pure decode steps through FusedDecode where it applies (called once the weights
         are in their final layout: models/build.py); whether it does."""
-        self.fused_decode = FusedQwen2Decode.build(self, (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP))
+        self.fused_decode = FusedDecode.build(self, (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP))
         return self.fused_decode is not None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

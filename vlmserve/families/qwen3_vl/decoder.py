@@ -15,7 +15,8 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import TextConfig
 from vlmserve.distributed import all_reduce
 from vlmserve.families.qwen3_vl.config import MoeConfig, Qwen3VLFamilyConfig
-from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary
+from vlmserve.models.fused_decode import FusedDecode
+from vlmserve.models.layers import Linear, RMSNorm, SiluAndMul, apply_rotary_qk
 from vlmserve.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -89,8 +90,11 @@ class Qwen3Attention(nn.Module):
         """keep: only these rows' outputs (every row's K and V are still written)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        # In place on the qkv output's views for bf16 on the CPU (models/layers.py): the kernels the
+        # fused decode step (models/fused_decode.py) runs, so both give the same bits.
+        q = self.q_norm.heads_(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm.heads_(k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary_qk(q, k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out if keep is None else out[keep])
@@ -220,6 +224,14 @@ class Qwen3Model(nn.Module):
         self.rotary = InterleavedMRotary(
             config.head_dim, config.rope_theta, config.mrope_section, family.mrope_interleaved
         )
+        # Decode steps in one kernel call where enable_fused_decode finds that it applies.
+        self.fused_decode: FusedDecode | None = None
+
+    def enable_fused_decode(self) -> bool:
+        """Run pure decode steps through FusedDecode where it applies (called once the weights are
+        in their final layout: models/build.py; never with MoE layers); whether it does."""
+        self.fused_decode = FusedDecode.build(self, (Qwen3DecoderLayer, Qwen3Attention, Qwen3MLP))
+        return self.fused_decode is not None
 
     def forward(
         self,
@@ -231,6 +243,10 @@ class Qwen3Model(nn.Module):
         """inputs_embeds [num_tokens, hidden]; positions [3, num_tokens]; layer_extras
         [k, num_tokens, hidden] added after layers 0..k-1 -> [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        if self.fused_decode is not None and layer_extras is None:
+            out = self.fused_decode(inputs_embeds, cos, sin, meta)
+            if out is not None:
+                return out
         h = inputs_embeds
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -1,20 +1,23 @@
-"""A decode step of the Qwen2 decoder (Qwen2-VL, Qwen2.5-VL) in one C call on AVX-512 BF16 CPUs.
+"""A decode step of the Qwen2 or Qwen3 decoder (Qwen2-VL, Qwen2.5-VL; Qwen3-VL dense) in one C call
+on AVX-512 BF16 CPUs.
 
 Why: on the CPU a one-request decode step is bound by reading the weights (3.09 GB a step for
 Qwen2-VL-2B in bf16), and the time between the weight products reads almost nothing. Yet in that
 time the layer-by-layer path runs ~12 torch ops and ctypes calls a layer, each 10-90 us on the
 2-core Zen 4 machine of docs/benchmarks.md (not the 1-20 us they take in a loop on their own: the
 93 MB of weights a layer streams past leaves the interpreter's and torch's code and data cold in
-every cache): ~16 ms of a ~75 ms step. vlm_qwen2_decode_avx512 (kernels/cpu_linear_avx512.c) runs
+every cache): ~16 ms of a ~75 ms step. vlm_decode_step_avx512 (kernels/cpu_linear_avx512.c) runs
 the same kernels back to back for every layer and the final norm, so the step gives the same bits.
+The two decoders differ, for this kernel, only in Qwen3's per-head q/k RMSNorm before the rotary
+(and Qwen3 has no qkv bias); Qwen3-VL-MoE's expert layers are not the kernel's.
 
 Where it applies (enable_fused_decode, at build time): bf16 on a CPU with the AVX-512 kernels and
 no other CPU path forced, tensor_parallel_size 1, every decoder product on reordered weights
 (models/prepack.py) or int8 ones (quantization="int8", the AVX-512 int8 kernel), the attention
 backend's CPU decode kernel in use, a head_dim the AVX-512 decode attention takes. Per step:
-every sequence decoding one token (a pure decode step, no pruned output rows), at most
-PACKED_ROWS of them; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0 keeps every step
-layer by layer.
+every sequence decoding one token (a pure decode step, no pruned output rows, no DeepStack
+features), at most PACKED_ROWS of them; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0
+keeps every step layer by layer.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _int8_product(linear: nn.Module) -> int | None:
 
 
 def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int] | None:
-    """The four fields vlm_qwen2_decode_avx512 reads for a product (see there), None where the
+    """The four fields vlm_decode_step_avx512 reads for a product (see there), None where the
     layer no longer runs one of its products (its op rebound since the build); `keep` holds the
     tensors made for it (an int8 layer's bias in fp32, as its own path passes it)."""
     address = _packed_address(linear)
@@ -69,8 +72,8 @@ def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int] | 
     return [product, linear.qweight.data_ptr(), linear.scales.data_ptr(), 0 if bias32 is None else bias32.data_ptr()]
 
 
-class FusedQwen2Decode:
-    """The model's decoder as vlm_qwen2_decode_avx512 reads it: built by `build` where it applies."""
+class FusedDecode:
+    """The model's decoder as vlm_decode_step_avx512 reads it: built by `build` where it applies."""
 
     def __init__(self, model: Any, layers: list[Any], kernels: Avx512Kernels, eps: float) -> None:
         self.model = model
@@ -89,10 +92,10 @@ class FusedQwen2Decode:
         self._keep: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, model: Any, kinds: tuple[type[nn.Module], ...]) -> FusedQwen2Decode | None:
-        """For a Qwen2Model (decoder.py) whose layers, their attention and MLP are exactly `kinds`
-        (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP: passed in, so that this module does not import
-        decoder.py, which imports it); None where the fused kernel does not apply."""
+    def build(cls, model: Any, kinds: tuple[type[nn.Module], ...]) -> FusedDecode | None:
+        """For a decoder model (a Qwen2Model or Qwen3Model: layers, norm) whose layers, their
+        attention and MLP are exactly `kinds` (e.g. Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP:
+        passed in, as models/ names no family); None where the fused kernel does not apply."""
         layer_kind, attention_kind, mlp_kind = kinds
         if os.environ.get("VLMSERVE_FUSED_DECODE", "1") == "0" or tp_size() != 1:
             return None
@@ -132,7 +135,7 @@ class FusedQwen2Decode:
         table = self._addresses()
         if table is None:
             return None
-        out = self.kernels.qwen2_decode(
+        out = self.kernels.decode_step(
             x.contiguous().clone(),  # the kernel writes the residual stream into it
             table,
             self.model.norm.weight,
@@ -164,7 +167,7 @@ class FusedQwen2Decode:
         for layer, cache in zip(self.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            row += [cache.data_ptr(), 0]
+            row += [cache.data_ptr(), *(n.weight.data_ptr() if n is not None else 0 for n in _qk_norms(attn))]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 fields = _product_fields(linear, keep)
                 if fields is None:
@@ -177,14 +180,26 @@ class FusedQwen2Decode:
         return self._table
 
 
+def _qk_norms(attention: nn.Module) -> tuple[Any, Any]:
+    """A Qwen3 attention's q_norm and k_norm (RMSNorm over each head); (None, None) in Qwen2's."""
+    return getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+
+
 def _applies(layer: Any, eps: float) -> bool:
     """Whether the fused kernel computes this layer as its modules do: each product on reordered
-    bf16 weights (models/prepack.py) or int8 ones with the AVX-512 decode kernel."""
+    bf16 weights (models/prepack.py) or int8 ones with the AVX-512 decode kernel; Qwen3's q/k
+    norms as RMSNorm.heads_ computes them (bf16, the decoder's eps)."""
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     backend = attn.attn.backend
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    q_norm, k_norm = _qk_norms(attn)
+    if (q_norm is None) != (k_norm is None):
+        return False
+    head_norms = () if q_norm is None else (q_norm, k_norm)
+    if any(n.weight.shape != (head_dim,) for n in head_norms):
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
     qkv_bias = attn.qkv_proj.bias
     return (
         all(_packed_address(linear) is not None or _int8_product(linear) is not None for linear in linears)
