@@ -18,6 +18,7 @@ from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_tok
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
 from vlmserve.families.qwen3_vl.config import Qwen3VLFamilyConfig
 from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary
+from vlmserve.families.qwen3_vl.tiny import PRESETS, config_json
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -105,6 +106,12 @@ def test_tiny_config_reads_as_transformers_reads_it(tiny3_dir: Path, tiny3_moe_d
                 text.num_experts_per_tok,
             )
             assert family.moe.mlp_only_layers == tuple(text.mlp_only_layers) == (1,)
+
+
+def test_2b_preset_is_the_published_qwen3_vl_2b_architecture() -> None:
+    preset = parse_model_config(config_json(PRESETS[("qwen3_vl", "2b")]))
+    assert preset == parse_model_config(QWEN3_VL_2B)
+    assert preset != parse_model_config(config_json(PRESETS[("qwen3_vl", "bench")]))  # the comparison can fail
 
 
 def test_bad_configs_say_what_is_wrong() -> None:

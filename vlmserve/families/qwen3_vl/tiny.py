@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -172,9 +172,21 @@ BENCH_SPEC = TinySpec(
     deepstack_visual_indexes=(1, 2),
     num_position_embeddings=2304,
 )
+# The whole Qwen3-VL-2B-Instruct architecture (about 4.3 GB in bfloat16): all 28 decoder layers
+# and the 24-block vision tower with DeepStack after blocks 5, 11 and 17.
+QWEN3_VL_2B_SPEC = replace(
+    BENCH_SPEC,
+    num_hidden_layers=28,
+    vision_depth=24,
+    vision_hidden_size=1024,
+    vision_num_heads=16,
+    vision_intermediate_size=4096,
+    deepstack_visual_indexes=(5, 11, 17),
+)
 PRESETS = {
     ("qwen3_vl", "tiny"): TinySpec(),
     ("qwen3_vl", "bench"): BENCH_SPEC,
+    ("qwen3_vl", "2b"): QWEN3_VL_2B_SPEC,
     ("qwen3_vl_moe", "tiny"): MOE_SPEC,
 }
 
