@@ -112,18 +112,24 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def count_weights(model_dir: Path) -> int | None:
-    """How many tensors iterate_weights will yield, from the safetensors headers alone (None for
-    PyTorch pickles, which must be loaded to be counted)."""
+def weight_names(model_dir: Path) -> list[str] | None:
+    """The names of the tensors iterate_weights will yield, from the safetensors headers alone
+    (None for PyTorch pickles, which must be loaded to be read)."""
     from safetensors import safe_open
 
-    count = 0
+    names: list[str] = []
     for file in safetensors_files(model_dir):
         if file.suffix == ".bin":
             return None
         with safe_open(str(file), framework="pt") as f:
-            count += len(f.keys())
-    return count
+            names += f.keys()
+    return names
+
+
+def count_weights(model_dir: Path) -> int | None:
+    """How many tensors iterate_weights will yield (None for PyTorch pickles)."""
+    names = weight_names(model_dir)
+    return None if names is None else len(names)
 
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

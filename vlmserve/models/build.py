@@ -13,13 +13,13 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.config import ModelConfig
 from vlmserve.kernels import select_linear_op
 from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
-from vlmserve.model_files import count_weights, iterate_weights
+from vlmserve.model_files import count_weights, iterate_weights, weight_names
 from vlmserve.models.base import VLModel
 from vlmserve.models.huge_pages import move_to_huge_pages
 from vlmserve.models.layers import bind_linear_op, linear_shapes
 from vlmserve.models.prepack import packable_decoder_layers, prepack_linear_layers, prepacks_vision
 from vlmserve.models.quant import read_packed_config, resolve_quantization
-from vlmserve.models.quant.packed import dequantize_weights
+from vlmserve.models.quant.packed import PackedConfig, dequantize_weights
 from vlmserve.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _keep_packed(model: VLModel, model_dir: Path, packed: PackedConfig, device: torch.device) -> frozenset[str]:
+    """Which checkpoint modules load 4-bit (their Linear layers replaced by Int4Linear), where the
+    int4 kernels apply; none elsewhere (the checkpoint is dequantized as it loads)."""
+    from vlmserve.distributed import tp_size
+    from vlmserve.kernels.int4 import load_int4_kernel
+    from vlmserve.models.quant.int4 import int4_applies, keep_packed
+
+    names = weight_names(model_dir)
+    table = getattr(model, "weight_table", None)
+    if names is None or table is None or not int4_applies(packed, device, tp_size()):
+        return frozenset()
+    kernel = load_int4_kernel()
+    if kernel is None:
+        logger.info("%s 4-bit: no int4 CPU kernel here; the weights are dequantized as they load", packed.method)
+        return frozenset()
+    return keep_packed(model, table(), names, packed, kernel)
 
 
 def build_model(
@@ -52,14 +70,23 @@ def build_model(
     # once on the target device and filled from the checkpoint.
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(config, backend)
+    # AWQ/GPTQ: the Linear layers the int4 kernels take stay 4-bit (models/quant/int4.py); every
+    # other module's packed tensors become its float weight on the way in.
+    kept_packed = _keep_packed(model, model_dir, packed, device) if packed is not None else frozenset()
     model = model.to_empty(device=device)
     model.tie_weights()
     weights = progress(
         iterate_weights(model_dir), desc="loading weights", total=count_weights(model_dir), unit="tensor", logger=logger
     )
     with weights:
-        # AWQ/GPTQ: each module's packed tensors become its float weight on the way in.
-        model.load_weights(weights if packed is None else dequantize_weights(weights, packed))
+        model.load_weights(weights if packed is None else dequantize_weights(weights, packed, kept_packed))
+    if kept_packed:
+        from vlmserve.kernels.int4 import load_int4_kernel
+        from vlmserve.models.quant.int4 import finalize_int4
+
+        int4_kernel = load_int4_kernel()
+        assert int4_kernel is not None  # _keep_packed kept none without it
+        logger.info("%s 4-bit: %d linear layers kept packed; %s", method, finalize_int4(model), int4_kernel.describe())
     if method == "int8":
         from vlmserve.kernels.int8 import load_int8_kernel
         from vlmserve.models.quant.int8 import quantize_int8

@@ -34,6 +34,32 @@ class WeightTable:
     experts: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
 
+def resolve_name(ckpt_name: str, table: WeightTable) -> tuple[str, str | None, int | None]:
+    """A checkpoint tensor's name -> (our parameter's name, the shard id of its part of a fused
+    parameter or None, the expert's row of a stacked parameter or None)."""
+    name = ckpt_name
+    for old, new in table.renames:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if (
+            part == "experts"
+            and len(parts) == i + 4
+            and parts[i + 1].isdigit()
+            and parts[i + 2] in table.experts
+            and parts[i + 3] == "weight"
+        ):
+            stacked, shard = table.experts[parts[i + 2]]
+            return ".".join([*parts[: i + 1], stacked]), shard, int(parts[i + 1])
+        if part in table.packed:
+            fused, shard = table.packed[part]
+            parts[i] = fused
+            return ".".join(parts), shard, None
+    return name, None, None
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: WeightTable) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -42,31 +68,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     for ckpt_name, tensor in weights:
         if table.ignore(ckpt_name):
             continue
-        name = ckpt_name
-        for old, new in table.renames:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        shard: str | None = None
-        expert: int | None = None
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if (
-                part == "experts"
-                and len(parts) == i + 4
-                and parts[i + 1].isdigit()
-                and parts[i + 2] in table.experts
-                and parts[i + 3] == "weight"
-            ):
-                stacked, shard = table.experts[parts[i + 2]]
-                expert = int(parts[i + 1])
-                name = ".".join([*parts[: i + 1], stacked])
-                break
-            if part in table.packed:
-                fused, shard = table.packed[part]
-                parts[i] = fused
-                name = ".".join(parts)
-                break
+        name, shard, expert = resolve_name(ckpt_name, table)
         if name not in params:
             unexpected.append(ckpt_name)
             continue

@@ -68,8 +68,11 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tens
     return w, z
 
 
-def dequantize(config: PackedConfig, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """One module's packed tensors -> its float32 weight [out_features, in_features]."""
+def _integers(
+    config: PackedConfig, parts: dict[str, torch.Tensor], name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One module's packed tensors -> (w_int [K, N], zeros [groups, N], scales [groups, N] fp32,
+    g_idx [K] int64: each input row's group), checked against each other."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"].float()
     if config.method == "awq":
         w_int, zeros = unpack_awq(qweight, qzeros)
@@ -93,17 +96,46 @@ def dequantize(config: PackedConfig, parts: dict[str, torch.Tensor], name: str) 
         )
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]:
         raise ValueError(f"{name}: g_idx points outside the {scales.shape[0]} groups of its scales")
+    return w_int, zeros, scales, g_idx
+
+
+def dequantize(config: PackedConfig, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """One module's packed tensors -> its float32 weight [out_features, in_features]."""
+    w_int, zeros, scales, g_idx = _integers(config, parts, name)
     # [K, N]: every input row takes its group's zero and scale (exact in fp32: |w_int - z| <= 16).
     w = (w_int - zeros[g_idx]).float() * scales[g_idx]
     return w.t().contiguous()
 
 
+def int4_rows(config: PackedConfig, parts: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """One module's packed tensors -> the tensors of an Int4Linear (models/quant/int4.py), one row
+    per output so that the weight table fuses them (q, k, v) like float weights:
+      qweight int32 [N, K / 8]: element [n, o] holds inputs 8 o + 2 j in bits 4 j .. 4 j + 3 and
+        8 o + 2 j + 1 in bits 16 + 4 j .. 19 + 4 j (j = 0..3), the pairs cpu_int4.c reads;
+      scales, qzeros fp32 [N, groups] (the zero points as floats);
+    the groups in order (int4_applies: no desc_act)."""
+    w_int, zeros, scales, g_idx = _integers(config, parts, name)
+    in_features, out_features = w_int.shape
+    group = in_features // scales.shape[0]
+    if in_features % scales.shape[0] or not torch.equal(g_idx, torch.arange(in_features) // group):
+        raise ValueError(f"{name}: the groups of its inputs are not in order; it cannot be kept packed")
+    q = w_int.t().reshape(out_features, in_features // 8, 4, 2)  # [N, K / 8, pair j, its two inputs]
+    shifts = torch.arange(0, 16, BITS, dtype=torch.int32)
+    qweight = ((q[..., 0] << shifts) | (q[..., 1] << (shifts + 16))).sum(-1, dtype=torch.int32)
+    return {
+        "qweight": qweight.contiguous(),
+        "scales": scales.t().contiguous(),
+        "qzeros": zeros.t().float().contiguous(),
+    }
+
+
 def dequantize_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], config: PackedConfig
+    weights: Iterable[tuple[str, torch.Tensor]], config: PackedConfig, kept_packed: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass plain tensors through; hold a module's packed tensors until all have arrived, then
-    yield its dequantized `<module>.weight`. (A file's names come sorted, so a module's parts
-    are adjacent and little is held at once.)"""
+    yield its dequantized `<module>.weight`, or for the modules of `kept_packed` (checkpoint
+    names) the tensors int4_rows makes. (A file's names come sorted, so a module's parts are
+    adjacent and little is held at once.)"""
     needed = {"qweight", "qzeros", "scales"}
     if config.method == "gptq" and config.desc_act:
         needed.add("g_idx")  # scattered groups: the result depends on it
@@ -122,7 +154,11 @@ def dequantize_weights(
         parts[suffix] = tensor
         if needed <= parts.keys():
             done.add(module)
-            yield f"{module}.weight", dequantize(config, pending.pop(module), module)
+            if module in kept_packed:
+                for suffix, t in int4_rows(config, pending.pop(module), module).items():
+                    yield f"{module}.{suffix}", t
+            else:
+                yield f"{module}.weight", dequantize(config, pending.pop(module), module)
     if pending:
         module, parts = next(iter(pending.items()))
         raise ValueError(f"{module}: the checkpoint holds only {sorted(parts)} of its {config.method} tensors")
