@@ -22,6 +22,8 @@ from vlmserve.kernels import dispatch
 from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import PACKED_ROWS, prepack_available
 from vlmserve.models.fused_decode import FusedDecode
+from vlmserve.models.quant.int4 import Int4Linear
+from vlmserve.tools.quantize_awq import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(
     avx512_kernels() is None or not prepack_available(), reason="needs the AVX-512 BF16 kernels and oneDNN's reorder"
@@ -84,14 +86,17 @@ def _run(
     return tokens, logprobs, llm
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "awq"])
 def test_fused_decode_gives_the_layer_paths_bits(
     checkpoint: Path,
     images: dict[str, Image.Image],
     monkeypatch: pytest.MonkeyPatch,
     calls: list[tuple[int, bool]],
     quantization: str | None,
+    tmp_path: Path,
 ) -> None:
+    if quantization == "awq":  # a 4-bit checkpoint, kept packed: the AVX-512 int4 kernel's products
+        checkpoint = quantize_checkpoint(checkpoint, tmp_path / checkpoint.name, group=32)
     # The layers outside the decoder (the tied lm_head) take the dispatch table's path in both
     # engines: a start-up measurement on a loaded machine could pick another kernel in one of them,
     # whose sums in another order would differ in the last bit.
@@ -99,6 +104,8 @@ def test_fused_decode_gives_the_layer_paths_bits(
     monkeypatch.setattr(dispatch, "measure", lambda ops, shapes: measure(ops, shapes, budget_s=0.0))
     tokens, logprobs, llm = _run(checkpoint, images["wide"], quantization)
     assert llm.llm_engine.model.model.fused_decode is not None
+    int4 = [m for m in llm.llm_engine.model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == (3 * 4 if quantization == "awq" else 0)
     assert "whole decoder in one call" in engine_summary(llm.llm_engine.core, str(checkpoint))["linear layers"]
     ran = [rows for rows, fused in calls if fused]
     assert ran and max(ran) == 4  # the four sequences decoded together in one call

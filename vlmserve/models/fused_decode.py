@@ -13,7 +13,8 @@ The two decoders differ, for this kernel, only in Qwen3's per-head q/k RMSNorm b
 
 Where it applies (enable_fused_decode, at build time): bf16 on a CPU with the AVX-512 kernels and
 no other CPU path forced, tensor_parallel_size 1, every decoder product on reordered weights
-(models/prepack.py) or int8 ones (quantization="int8", the AVX-512 int8 kernel), the attention
+(models/prepack.py), int8 ones (quantization="int8", the AVX-512 int8 kernel) or 4-bit ones (AWQ and
+GPTQ checkpoints kept packed, the AVX-512 int4 kernel), the attention
 backend's CPU decode kernel in use, a head_dim the AVX-512 decode attention takes. Per step:
 every sequence decoding one token (a pure decode step, no pruned output rows, no DeepStack
 features), at most PACKED_ROWS of them; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0
@@ -35,6 +36,7 @@ from vlmserve.kernels.cpu import Avx512Kernels
 from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import ADDRESS_ATTR, PACKED_ROWS, packed_linear
 from vlmserve.models.layers import Linear
+from vlmserve.models.quant.int4 import Int4Linear
 from vlmserve.models.quant.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -56,13 +58,29 @@ def _int8_product(linear: nn.Module) -> int | None:
     return None
 
 
+def _int4_product(linear: nn.Module) -> int | None:
+    """vlm_linear_int4_avx512's address where an Int4Linear's decode runs it."""
+    if isinstance(linear, Int4Linear) and linear.kernel.decode:
+        return linear.kernel.avx512_address
+    return None
+
+
 def _product_fields(linear: nn.Module, keep: list[torch.Tensor]) -> list[int] | None:
     """The four fields vlm_decode_step_avx512 reads for a product (see there), None where the
     layer no longer runs one of its products (its op rebound since the build); `keep` holds the
-    tensors made for it (an int8 layer's bias in fp32, as its own path passes it)."""
+    tensors made for it (a quantized layer's bias in fp32, as its own path passes it; an int4
+    layer's descriptor, which stands where the weights' address does)."""
     address = _packed_address(linear)
     if isinstance(linear, Linear) and address is not None:
         return [0, address, 0, 0 if linear.bias is None else linear.bias.data_ptr()]
+    int4 = _int4_product(linear)
+    if isinstance(linear, Int4Linear) and int4 is not None:
+        desc = linear.desc()
+        keep.append(desc)
+        bias = None if linear.bias is None else linear.bias.float()
+        if bias is not None:
+            keep.append(bias)
+        return [int4, desc.data_ptr(), 0, 0 if bias is None else bias.data_ptr()]
     product = _int8_product(linear)
     if not isinstance(linear, Int8Linear) or product is None:
         return None
@@ -202,7 +220,10 @@ def _applies(layer: Any, eps: float) -> bool:
     norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
     qkv_bias = attn.qkv_proj.bias
     return (
-        all(_packed_address(linear) is not None or _int8_product(linear) is not None for linear in linears)
+        all(
+            _packed_address(linear) is not None or _int8_product(linear) is not None or _int4_product(linear) is not None
+            for linear in linears
+        )
         and all(linear.bias is None for linear in linears[1:])
         and (qkv_bias is None or qkv_bias.dtype == torch.bfloat16)
         and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() and n.eps == eps for n in norms)
