@@ -97,7 +97,7 @@ def test_avx512_kernel_matches_the_dequantized_product(n: int, k: int, group: in
     assert kernel is not None
     layer = Layer(n, k, group, seed=n * k)
     bias = torch.randn(n)
-    for m in (1, 2, 4, 5, 9, 33, KERNEL_MAX_ROWS):
+    for m in (1, 2, 4, 5, 7, 9, 33, KERNEL_MAX_ROWS, 75):  # tiles of 8 rows, then of 4, 2 and 1
         xb = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         want = F.linear(xb.double(), layer.weight)
         # x * (128 + q) summed, then 128 + zero times the group's sum of x taken away
@@ -132,9 +132,10 @@ def test_int4_linear_on_both_paths(rows: int, dtype: torch.dtype, monkeypatch: p
     x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = int4_linear(x, layer.desc, bias, 40, kernel)
     assert got.shape == (1, rows, 40) and got.dtype == dtype
-    # the many-row path: the float product of the dequantized weight in x's dtype, exactly
+    # the many-row path (but for bf16 on the AVX-512 kernel, which takes every row count): the
+    # float product of the dequantized weight in x's dtype, exactly
     weight = layer.weight.float().to(dtype)
-    if rows > KERNEL_MAX_ROWS:
+    if rows > KERNEL_MAX_ROWS and not (kernel.has_avx512 and dtype == torch.bfloat16):
         assert torch.equal(got, F.linear(x, weight, bias))
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.double(), F.linear(x.double(), layer.weight, bias.double()), rtol=tol, atol=tol)

@@ -189,7 +189,7 @@ def _run_single(
 def _load_transformers(args: argparse.Namespace, llm: LLM, phases: Phases) -> Any:
     """transformers' model of the same checkpoint, warmed up on a small request."""
     phases.begin("transformers: loading the model")
-    hf_model = load_hf_model(Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
+    hf_model = load_hf_model(args.hf_model or Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
     run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)
     return hf_model
 

@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="vlmserve's weight-only quantization (transformers stays at --dtype)",
     )
     p.add_argument(
+        "--hf-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the checkpoint transformers runs (default: vlmserve's): e.g. the float checkpoint an AWQ one "
+        "was made from (vlmserve.tools.quantize_awq), as transformers runs AWQ only through extra packages",
+    )
+    p.add_argument(
         "--concurrency",
         type=positive_int,
         nargs="*",

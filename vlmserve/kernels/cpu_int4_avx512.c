@@ -20,7 +20,7 @@
 #include <string.h>
 #include "bf16.h"
 
-#define MR 4 /* activation rows per pass over a block */
+#define MR 8 /* activation rows per pass over a block */
 #define TERNLOG_A_AND_B_OR_C 0xEA
 
 static inline __m512bh field_pairs(__m512i v) {
@@ -74,6 +74,36 @@ static inline __m512 group_row(const uint32_t *w, const uint16_t *x, int64_t oct
                          _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
 }
 
+/* R rows of x (from row m0) against one block of 16 outputs: R x 2 independent sums per group. R is
+ * a constant at every call, so each call compiles to its own unrolled loop. */
+static inline __attribute__((always_inline)) void rows_tile(const uint32_t *wb, const float *pb, const uint16_t *x,
+                                                            const float *xsum, void *y, int64_t m0, __m512 bias,
+                                                            int64_t K, int64_t N, int64_t G, int64_t S, int64_t n0,
+                                                            int64_t nr, int bf16, const int R) {
+    const __m512 bias128 = _mm512_set1_ps(128.0f);
+    __m512 total[MR];
+    for (int m = 0; m < R; m++) total[m] = bias;
+    for (int64_t g = 0; g < G; g++) {
+        __m512 acc[MR][2];
+        for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        for (int64_t o = g * S / 8; o < (g + 1) * S / 8; o++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(wb + o * 16));
+            for (int j = 0; j < 4; j++) {
+                const __m512bh w = field_pairs(_mm512_srli_epi32(v, 4 * j));
+                for (int m = 0; m < R; m++)
+                    acc[m][j & 1] = _mm512_dpbf16_ps(acc[m][j & 1], w, pair_of(x + m * K + 8 * o + 2 * j));
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(pb + g * 32);
+        const __m512 zero = _mm512_add_ps(_mm512_loadu_ps(pb + g * 32 + 16), bias128);
+        for (int m = 0; m < R; m++) {
+            const __m512 a = _mm512_add_ps(acc[m][0], acc[m][1]);
+            total[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), a), total[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) store16(y, (m0 + m) * N + n0, total[m], nr, bf16);
+}
+
 void vlm_linear_int4_avx512(const uint16_t *x, const int64_t *desc, const float *unused, const float *b, void *y,
                             int64_t M, int64_t N, int64_t K, int64_t out_bf16) {
     (void)unused;
@@ -102,32 +132,15 @@ void vlm_linear_int4_avx512(const uint16_t *x, const int64_t *desc, const float 
             store16(y, n0, total, nr, bf16);
             continue;
         }
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            const uint16_t *xr[MR];
-            for (int m = 0; m < MR; m++) xr[m] = x + (m0 + (m < mr ? m : 0)) * K;
-            __m512 total[MR];
-            for (int m = 0; m < MR; m++) total[m] = bias;
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc[MR][2];
-                for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-                for (int64_t o = g * S / 8; o < (g + 1) * S / 8; o++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(wb + o * 16));
-                    for (int j = 0; j < 4; j++) {
-                        const __m512bh w = field_pairs(_mm512_srli_epi32(v, 4 * j));
-                        for (int m = 0; m < MR; m++)
-                            acc[m][j & 1] = _mm512_dpbf16_ps(acc[m][j & 1], w, pair_of(xr[m] + 8 * o + 2 * j));
-                    }
-                }
-                const __m512 scale = _mm512_loadu_ps(pb + g * 32);
-                const __m512 zero = _mm512_add_ps(_mm512_loadu_ps(pb + g * 32 + 16), bias128);
-                for (int m = 0; m < MR; m++) {
-                    const __m512 xs = _mm512_set1_ps(xsum[(m0 + (m < mr ? m : 0)) * G + g]);
-                    const __m512 a = _mm512_add_ps(acc[m][0], acc[m][1]);
-                    total[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, a), total[m]);
-                }
-            }
-            for (int m = 0; m < mr; m++) store16(y, (m0 + m) * N + n0, total[m], nr, bf16);
+        for (int64_t m0 = 0; m0 < M;) {
+            /* whole tiles of MR rows, then the rest in tiles of 4, 2 and 1 (no row computed twice) */
+            const int64_t left = M - m0;
+            const int rows = left >= MR ? MR : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (rows == MR) rows_tile(wb, pb, x + m0 * K, xsum + m0 * G, y, m0, bias, K, N, G, S, n0, nr, bf16, MR);
+            else if (rows == 4) rows_tile(wb, pb, x + m0 * K, xsum + m0 * G, y, m0, bias, K, N, G, S, n0, nr, bf16, 4);
+            else if (rows == 2) rows_tile(wb, pb, x + m0 * K, xsum + m0 * G, y, m0, bias, K, N, G, S, n0, nr, bf16, 2);
+            else rows_tile(wb, pb, x + m0 * K, xsum + m0 * G, y, m0, bias, K, N, G, S, n0, nr, bf16, 1);
+            m0 += rows;
         }
     }
     free(xsum);
