@@ -220,10 +220,7 @@ def _applies(layer: Any, eps: float) -> bool:
     norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
     qkv_bias = attn.qkv_proj.bias
     return (
-        all(
-            _packed_address(linear) is not None or _int8_product(linear) is not None or _int4_product(linear) is not None
-            for linear in linears
-        )
+        all(any(f(linear) is not None for f in (_packed_address, _int8_product, _int4_product)) for linear in linears)
         and all(linear.bias is None for linear in linears[1:])
         and (qkv_bias is None or qkv_bias.dtype == torch.bfloat16)
         and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() and n.eps == eps for n in norms)
