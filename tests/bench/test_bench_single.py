@@ -99,3 +99,19 @@ def test_vllm_prompt_text_makes_the_same_prompt_tokens_again(tiny_dir: Path) -> 
         assert text.count("<|image_pad|>") == 1
         again = llm._process_prompt({"prompt": text, "multi_modal_data": {"image": r.image}}, "p", None)
         assert again.prompt_token_ids == r.prompt.prompt_token_ids
+
+
+def test_single_on_an_awq_checkpoint_runs_transformers_on_the_float_one_it_came_from(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from vlmserve.tools.quantize_awq import quantize_checkpoint
+
+    awq = quantize_checkpoint(tiny_dir, tmp_path / "awq", group=32)
+    argv = [str(awq), "--hf-model", str(tiny_dir), "--dtype", "float32", *ARGS, "--single-rounds", "1"]
+    main([*argv, "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())["single"]
+    assert report["rounds"][0]["transformers_step_ms"] > 0  # transformers read the float checkpoint
+    (theirs,) = report["transformers"][0]["requests"]
+    assert len(theirs["token_ids"]) == 5
+    # the decoder's linear layers at 4 bits (+ an fp32 scale and zero per 32 inputs) instead of 32
+    assert report["weight_bytes_per_step"] < _language_model_bytes(tiny_dir, 4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import LinearOp
@@ -30,28 +31,52 @@ class Int4Linear(nn.Module):
     uses_linear_op = True  # the float product of the many-row path (bind_linear_op binds it)
     op: LinearOp
 
-    def __init__(self, linear: Linear, group_size: int, kernel: Int4Kernel) -> None:
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        group_size: int,
+        kernel: Int4Kernel,
+        bias: nn.Parameter | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
-        n, k = linear.out_features, linear.in_features
+        n, k = out_features, in_features
         self.out_features, self.in_features, self.group_size = n, k, group_size
         groups = k // group_size
-        device = linear.weight.device
         # As loaded (int4_rows): one row per output; `finalize` reorders them into blocks.
         self.qweight = nn.Parameter(torch.empty(n, k // 8, dtype=torch.int32, device=device), requires_grad=False)
         self.scales = nn.Parameter(torch.empty(n, groups, dtype=torch.float32, device=device), requires_grad=False)
         self.qzeros = nn.Parameter(torch.empty(n, groups, dtype=torch.float32, device=device), requires_grad=False)
-        self.bias = linear.bias
-        self.op = linear.op
+        self.bias = bias
+        self.op = F.linear
         self.kernel = kernel
-        spec = spec_of(linear, "weight")
-        # A fused column-parallel layer's parts along the outputs (tp_size 1: the whole of each).
         self.tp_shards: dict[str, ShardSpec] = {}
+        self._desc: torch.Tensor | None = None
+
+    @classmethod
+    def replacing(cls, linear: Linear, group_size: int, kernel: Int4Kernel) -> Int4Linear:
+        """The layer that takes `linear`'s place (its bias, op and how the loader fills a fused
+        column-parallel layer's parts along the outputs; tp_size 1: the whole of each)."""
+        layer = cls(linear.out_features, linear.in_features, group_size, kernel, linear.bias, linear.weight.device)
+        layer.op = linear.op
+        spec = spec_of(linear, "weight")
         if spec is not None and spec.dim == 0:
-            self.tp_shards = {"qweight": spec, "scales": spec, "qzeros": spec}
+            layer.tp_shards = {"qweight": spec, "scales": spec, "qzeros": spec}
             bias_spec = spec_of(linear, "bias")
             if bias_spec is not None:
-                self.tp_shards["bias"] = bias_spec
-        self._desc: torch.Tensor | None = None
+                layer.tp_shards["bias"] = bias_spec
+        return layer
+
+    @classmethod
+    def from_rows(cls, rows: dict[str, torch.Tensor], group_size: int, kernel: Int4Kernel) -> Int4Linear:
+        """A finalized layer from int4_rows' tensors (quant/packed.py)."""
+        n, k8 = rows["qweight"].shape
+        layer = cls(n, 8 * k8, group_size, kernel)
+        for name in ("qweight", "scales", "qzeros"):
+            getattr(layer, name).data.copy_(rows[name])
+        layer.finalize()
+        return layer
 
     def finalize(self) -> None:
         """The loaded rows -> cpu_int4.c's blocks of 16 outputs (zero rows past out_features)."""
@@ -119,7 +144,7 @@ def keep_packed(
         if group % GROUP_MULTIPLE or k % group:
             continue
         parent, _, child = owner.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, Int4Linear(linear, group, kernel))
+        setattr(model.get_submodule(parent) if parent else model, child, Int4Linear.replacing(linear, group, kernel))
         kept.update(parts)
     return frozenset(kept)
 
