@@ -221,7 +221,7 @@ def test_int4_kernels_compute_the_float_model_of_the_dequantized_weights(
     prompt = _prompt(tiny_dir)
     extra = [9707, 11, 1879, 13]  # decode steps: the kernels with one row
     error = (ours.logits(prompt, extra=extra) - reference.logits(prompt, extra=extra)).abs().max().item()
-    assert error < 1e-4  # fp32 summation order only (measured 2e-6)
+    assert error < 1e-4  # fp32 summation order only (measured 1.2e-5 and 1.3e-5)
 
 
 @needs_int4
