@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -105,23 +104,15 @@ def load_int4_kernel() -> Int4Kernel | None:
     """The int4 kernels for the path VLMSERVE_CPU_PATH asks for (auto: the AVX-512 one where it
     builds, else AVX2); None where cpu_int4.c does not build here (no AVX2, no compiler,
     VLMSERVE_CPU_KERNELS=0): the checkpoint is then dequantized when it loads."""
-    from vlmserve.kernels.cpu import AVX512_FLAGS, _build, _cpu_has_avx2, _cpu_has_avx512_bf16
-    from vlmserve.kernels.dispatch import forced_path
+    from vlmserve.kernels.cpu import build_quantized_pair
 
-    path = forced_path()
-    if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
-        return None
     try:
-        library = _build(SOURCE)
-        if library is None:
+        built = build_quantized_pair(SOURCE, AVX512_SOURCE, "int4")
+        if built is None:
             return None
-        avx512 = None
-        if path in (None, "avx512") and _cpu_has_avx512_bf16():
-            avx512 = _build(AVX512_SOURCE, AVX512_FLAGS)
-        if path == "avx512" and avx512 is None:
-            logger.warning("VLMSERVE_CPU_PATH=avx512: no AVX-512 BF16 int4 kernel here; using the AVX2 one")
+        library, avx512, decode = built
         kernel = Int4Kernel(library, avx512)
-        kernel.decode = path != "torch"
+        kernel.decode = decode
         return kernel
     except OSError as e:
         logger.warning("loading the int4 CPU kernels failed (%s); dequantizing the checkpoint when it loads", e)
@@ -146,8 +137,7 @@ def int4_linear(
         return kernel.linear(x2, desc, None if bias is None else bias.float(), n, x.dtype).reshape(*x.shape[:-1], n)
     if kernel.decode and x2.shape[0] <= KERNEL_MAX_ROWS:
         b = None if bias is None else bias.float()
-        xin = x2 if kernel.has_avx512 and x2.dtype == torch.bfloat16 else x2.float()
-        return kernel.linear(xin, desc, b, n, x.dtype).reshape(*x.shape[:-1], n)
+        return kernel.linear(x2.float(), desc, b, n, x.dtype).reshape(*x.shape[:-1], n)
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     if n <= DEQUANT_ROWS:
         w = kernel.dequantize(desc, 0, n, k, dtype)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -151,23 +150,16 @@ class Int8Kernel:
 def load_int8_kernel() -> Int8Kernel | None:
     """The int8 kernels for the path VLMSERVE_CPU_PATH asks for (kernels/dispatch.py; auto: the
     AVX-512 one where it builds, else AVX2); None for "torch" or where none builds."""
-    from vlmserve.kernels.cpu import AVX512_FLAGS, _build, _cpu_has_avx2, _cpu_has_avx512_bf16
-    from vlmserve.kernels.dispatch import forced_path
+    from vlmserve.kernels.cpu import build_quantized_pair
 
-    path = forced_path()
-    if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
-        return None
     try:
-        library = _build(SOURCE)
-        if library is None:
+        built = build_quantized_pair(SOURCE, AVX512_SOURCE, "int8")
+        if built is None:
             return None
+        library, avx512, decode = built
         kernel = Int8Kernel(library)
-        kernel.decode = path != "torch"
-        if path in (None, "avx512") and _cpu_has_avx512_bf16():
-            avx512 = _build(AVX512_SOURCE, AVX512_FLAGS)
-            kernel.avx512 = Int8Avx512Kernel(avx512) if avx512 else None
-        if path == "avx512" and kernel.avx512 is None:
-            logger.warning("VLMSERVE_CPU_PATH=avx512: no AVX-512 BF16 int8 kernel here; using the AVX2 one")
+        kernel.decode = decode
+        kernel.avx512 = Int8Avx512Kernel(avx512) if avx512 else None
         return kernel
     except OSError as e:
         logger.warning("loading the int8 CPU kernel failed (%s); dequantizing per call instead", e)

@@ -53,6 +53,7 @@ class Int4Linear(nn.Module):
         self.kernel = kernel
         self.tp_shards: dict[str, ShardSpec] = {}
         self._desc: torch.Tensor | None = None
+        self._desc_key = (0, 0)  # the addresses _desc holds
 
     @classmethod
     def replacing(cls, linear: Linear, group_size: int, kernel: Int4Kernel) -> Int4Linear:
@@ -97,12 +98,11 @@ class Int4Linear(nn.Module):
     def desc(self) -> torch.Tensor:
         """int64 [3] (cpu_int4.c): the weights' and the parameters' addresses and the group size;
         made again if they moved (models/huge_pages.py moves them after the build)."""
-        qweight, params = self.qweight, self.params
-        desc = self._desc
-        if desc is None or desc[0] != qweight.data_ptr() or desc[1] != params.data_ptr():
-            desc = torch.tensor([qweight.data_ptr(), params.data_ptr(), self.group_size], dtype=torch.int64)
-            self._desc = desc
-        return desc
+        key = (self.qweight.data_ptr(), self.params.data_ptr())
+        if self._desc is None or key != self._desc_key:
+            self._desc = torch.tensor([*key, self.group_size], dtype=torch.int64)
+            self._desc_key = key
+        return self._desc
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int4_linear(x, self.desc(), self.bias, self.out_features, self.kernel, self.op)
