@@ -86,25 +86,6 @@ def _build(source: Path, flags: list[str] = FLAGS) -> Path | None:
     return target
 
 
-def build_quantized_pair(source: Path, avx512_source: Path, what: str) -> tuple[Path, Path | None, bool] | None:
-    """A quantized product's shared objects for the path VLMSERVE_CPU_PATH asks for
-    (kernels/dispatch.py): (the AVX2 one, the AVX-512 BF16 one where the CPU has it and the path
-    allows it, whether decode runs them: not on the torch path); None where the AVX2 one cannot be
-    built (no AVX2, no compiler, VLMSERVE_CPU_KERNELS=0). `what` names them in the log."""
-    from vlmserve.kernels.dispatch import forced_path
-
-    path = forced_path()
-    if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
-        return None
-    library = _build(source)
-    if library is None:
-        return None
-    avx512 = _build(avx512_source, AVX512_FLAGS) if path in (None, "avx512") and _cpu_has_avx512_bf16() else None
-    if path == "avx512" and avx512 is None:
-        logger.warning("VLMSERVE_CPU_PATH=avx512: no AVX-512 BF16 %s kernel here; using the AVX2 one", what)
-    return library, avx512, path != "torch"
-
-
 def decode_kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether vlm_decode_attention takes these inputs: bf16 or fp32 throughout, a contiguous
     cache, and heads within its fixed per-thread buffers (head_dim <= 256, <= 16 query heads

@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,6 +101,25 @@ def forced_path() -> str | None:
     if value not in PATHS:
         raise ValueError(f"{ENV_PATH}={value!r} is not a CPU linear path; choose one of {', '.join(PATHS)} or auto")
     return value
+
+
+def build_quantized_pair(source: Path, avx512_source: Path, what: str) -> tuple[Path, Path | None, bool] | None:
+    """A quantized product's shared objects for the path VLMSERVE_CPU_PATH asks for
+    (forced_path): (the AVX2 one, the AVX-512 BF16 one where the CPU has it and the path
+    allows it, whether decode runs them: not on the torch path); None where the AVX2 one cannot be
+    built (no AVX2, no compiler, VLMSERVE_CPU_KERNELS=0). `what` names them in the log."""
+    from vlmserve.kernels.cpu import AVX512_FLAGS, _build, _cpu_has_avx2, _cpu_has_avx512_bf16
+
+    path = forced_path()
+    if os.environ.get("VLMSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx2():
+        return None
+    library = _build(source)
+    if library is None:
+        return None
+    avx512 = _build(avx512_source, AVX512_FLAGS) if path in (None, "avx512") and _cpu_has_avx512_bf16() else None
+    if path == "avx512" and avx512 is None:
+        logger.warning("VLMSERVE_CPU_PATH=avx512: no AVX-512 BF16 %s kernel here; using the AVX2 one", what)
+    return library, avx512, path != "torch"
 
 
 def avx512_kernels() -> Avx512Kernels | None:

@@ -104,7 +104,7 @@ def load_int4_kernel() -> Int4Kernel | None:
     """The int4 kernels for the path VLMSERVE_CPU_PATH asks for (auto: the AVX-512 one where it
     builds, else AVX2); None where cpu_int4.c does not build here (no AVX2, no compiler,
     VLMSERVE_CPU_KERNELS=0): the checkpoint is then dequantized when it loads."""
-    from vlmserve.kernels.cpu import build_quantized_pair
+    from vlmserve.kernels.dispatch import build_quantized_pair
 
     try:
         built = build_quantized_pair(SOURCE, AVX512_SOURCE, "int4")

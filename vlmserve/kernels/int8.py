@@ -150,7 +150,7 @@ class Int8Kernel:
 def load_int8_kernel() -> Int8Kernel | None:
     """The int8 kernels for the path VLMSERVE_CPU_PATH asks for (kernels/dispatch.py; auto: the
     AVX-512 one where it builds, else AVX2); None for "torch" or where none builds."""
-    from vlmserve.kernels.cpu import build_quantized_pair
+    from vlmserve.kernels.dispatch import build_quantized_pair
 
     try:
         built = build_quantized_pair(SOURCE, AVX512_SOURCE, "int8")
