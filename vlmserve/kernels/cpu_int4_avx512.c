@@ -74,13 +74,19 @@ static inline __m512 group_row(const uint32_t *w, const uint16_t *x, int64_t oct
                          _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
 }
 
+/* A group's scales and its zero points plus 128 (the fields' bias in field_pairs), for 16 outputs:
+ * the group adds scale * (sum(x * (128 + q)) - (128 + zero) * sum(x)). */
+static inline void group_params(const float *p, __m512 *scale, __m512 *zero128) {
+    *scale = _mm512_loadu_ps(p);
+    *zero128 = _mm512_add_ps(_mm512_loadu_ps(p + 16), _mm512_set1_ps(128.0f));
+}
+
 /* R rows of x (from row m0) against one block of 16 outputs: R x 2 independent sums per group. R is
  * a constant at every call, so each call compiles to its own unrolled loop. */
 static inline __attribute__((always_inline)) void rows_tile(const uint32_t *wb, const float *pb, const uint16_t *x,
                                                             const float *xsum, void *y, int64_t m0, __m512 bias,
                                                             int64_t K, int64_t N, int64_t G, int64_t S, int64_t n0,
                                                             int64_t nr, int bf16, const int R) {
-    const __m512 bias128 = _mm512_set1_ps(128.0f);
     __m512 total[MR];
     for (int m = 0; m < R; m++) total[m] = bias;
     for (int64_t g = 0; g < G; g++) {
@@ -94,8 +100,8 @@ static inline __attribute__((always_inline)) void rows_tile(const uint32_t *wb, 
                     acc[m][j & 1] = _mm512_dpbf16_ps(acc[m][j & 1], w, pair_of(x + m * K + 8 * o + 2 * j));
             }
         }
-        const __m512 scale = _mm512_loadu_ps(pb + g * 32);
-        const __m512 zero = _mm512_add_ps(_mm512_loadu_ps(pb + g * 32 + 16), bias128);
+        __m512 scale, zero;
+        group_params(pb + g * 32, &scale, &zero);
         for (int m = 0; m < R; m++) {
             const __m512 a = _mm512_add_ps(acc[m][0], acc[m][1]);
             total[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[m * G + g]), a), total[m]);
@@ -113,7 +119,6 @@ void vlm_linear_int4_avx512(const uint16_t *x, const int64_t *desc, const float 
     const int bf16 = (int)out_bf16;
     if (M <= 0 || N <= 0) return;
     float *xsum = group_sums(x, M, K, S);
-    const __m512 bias128 = _mm512_set1_ps(128.0f);
 #pragma omp parallel for schedule(static)
     for (int64_t blk = 0; blk < NB; blk++) {
         const uint32_t *wb = qw + blk * K8 * 16;
@@ -125,8 +130,8 @@ void vlm_linear_int4_avx512(const uint16_t *x, const int64_t *desc, const float 
             __m512 total = bias;
             for (int64_t g = 0; g < G; g++) {
                 const __m512 acc = group_row(wb + g * S / 8 * 16, x + g * S, S / 8);
-                const __m512 scale = _mm512_loadu_ps(pb + g * 32);
-                const __m512 zero = _mm512_add_ps(_mm512_loadu_ps(pb + g * 32 + 16), bias128);
+                __m512 scale, zero;
+                group_params(pb + g * 32, &scale, &zero);
                 total = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[g]), acc), total);
             }
             store16(y, n0, total, nr, bf16);

@@ -59,7 +59,6 @@ class Int4Kernel:
             fast.vlm_linear_int4_avx512.restype = None
             self._avx512 = fast
             self.avx512_address = ctypes.cast(fast.vlm_linear_int4_avx512, ctypes.c_void_p).value
-        self.paths = (library, avx512)
 
     @property
     def has_avx512(self) -> bool:
@@ -95,8 +94,11 @@ class Int4Kernel:
     def describe(self) -> str:
         if not self.decode:
             return "dequantize per call (VLMSERVE_CPU_PATH=torch)"
-        kernel = "cpu_int4_avx512.c (AVX-512 BF16) for bf16 activations" if self._avx512 else "cpu_int4.c (AVX2)"
-        return f"vlmserve CPU int4 kernel up to {KERNEL_MAX_ROWS} rows: {kernel}; more rows dequantize"
+        avx2 = f"cpu_int4.c (AVX2) up to {KERNEL_MAX_ROWS} rows, more rows dequantize"
+        if self._avx512 is None:
+            return f"vlmserve CPU int4 kernel: {avx2}"
+        avx512 = "cpu_int4_avx512.c (AVX-512 BF16) for bf16 activations at every row count"
+        return f"vlmserve CPU int4 kernel: {avx512}; else {avx2}"
 
 
 @cache

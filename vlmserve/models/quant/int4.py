@@ -127,8 +127,8 @@ def keep_packed(
         if suffix not in ("weight", "qweight"):
             continue
         ours, _, _ = resolve_name(f"{module}.weight", table)
-        owner = ours.rpartition(".")[0]
-        sources.setdefault(owner, {})[module] = sources.get(owner, {}).get(module, False) or suffix == "qweight"
+        packed = sources.setdefault(ours.rpartition(".")[0], {})
+        packed[module] = packed.get(module, False) or suffix == "qweight"
     kept: set[str] = set()
     for owner, parts in sources.items():
         if not all(parts.values()):
