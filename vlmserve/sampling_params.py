@@ -223,6 +223,12 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def takes_argmax(self) -> bool:
+        """Greedy, or a top-k of 1: the most likely token whatever the temperature (what
+        transformers gives for Qwen2-VL's published top_k 1)."""
+        return self.greedy or self.top_k == 1
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

@@ -105,6 +105,36 @@ def test_widen_is_exact() -> None:
     assert torch.equal(kernels.widen(t), t.float())
 
 
+# -- the sampler's top-k candidates -------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("vocab", "k"), [(151936, 1), (151936, 36), (1000, 256), (37, 37), (23, 5)])
+def test_topk_gives_torchs_values_and_the_earliest_of_equal_ones(dtype: torch.dtype, vocab: int, k: int) -> None:
+    assert kernels is not None
+    g = torch.Generator().manual_seed(vocab + k)
+    x = (torch.randn(6, vocab, generator=g) * 3).to(dtype)
+    x[1] = 1.0  # every value tied: the first k indices
+    x[2, vocab // 3] = float("nan")  # above everything, as torch orders it
+    x[3, vocab - 1] = float("inf")  # in the tail past the last full vector
+    x[4, : vocab // 2] = -0.0  # -0 and +0 are equal: the earlier index first
+    x[4, vocab // 2 :] = 0.0
+    rows = [5, 1, 2, 3, 4, 0, 2]  # any rows, in any order, twice
+    values, ids = kernels.topk(x, rows, k)
+    expected = x[rows].float().topk(k, dim=-1).values
+    assert torch.equal(values.nan_to_num(99.0), expected.nan_to_num(99.0))
+    assert torch.equal(x[rows].float().gather(1, ids).nan_to_num(99.0), values.nan_to_num(99.0))
+    assert ids[1].tolist() == list(range(k)) and ids[4].tolist() == list(range(k))
+    for r in range(len(rows)):  # equal values in ascending index order
+        for a in range(k - 1):
+            assert values[r, a] != values[r, a + 1] or ids[r, a] < ids[r, a + 1]
+    # rows of a wider tensor (a row stride past the vocabulary)
+    wide = torch.zeros(6, vocab + 9, dtype=dtype)
+    wide[:, :vocab] = x
+    assert torch.equal(kernels.topk(wide[:, :vocab], rows, k)[1], ids)
+
+
 # -- paged decode attention --------------------------------------------------------------------------
 
 BLOCK_SIZE = 16

@@ -28,7 +28,6 @@ import torch
 from vlmserve.bench.metrics import median_seconds
 from vlmserve.bench.run_hf import load_hf_model
 from vlmserve.bench.workload import make_workload
-from vlmserve.engine import model_runner
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.models.layers import Linear
 from vlmserve.sampling_params import SamplingParams
@@ -78,9 +77,6 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
             module.op = timers.wrap("lm_head" if name == "lm_head" else "layer_matmuls", module.op)
     model.forward = timers.wrap("forward", model.forward)  # type: ignore[method-assign]
     runner.sampler = timers.wrap("sampling", runner.sampler)  # type: ignore[assignment]
-    # Plain greedy steps take their tokens from the logits without the sampler.
-    greedy = model_runner.greedy_tokens
-    model_runner.greedy_tokens = timers.wrap("sampling", greedy)
     for module in model.modules():
         backend = getattr(module, "backend", None)
         if backend is not None and getattr(backend, "decode_kernel", None) is not None:
@@ -108,7 +104,6 @@ def decode_breakdown(llm: LLM, context: int, hf: Any, steps: int = 48, rounds: i
             hf_steps.append(_hf_step(hf, ids, 16))
             hf_forwards.append(_hf_forward(hf, ids))
     engine.abort_request("bd")
-    model_runner.greedy_tokens = greedy
     use_fused(True)
 
     # The median round, with the parts timed inside its own steps (another round's parts need not

@@ -19,7 +19,7 @@ from vlmserve.engine.contracts import ModelRunnerOutput, NewRequestData, Schedul
 from vlmserve.engine.cuda_graphs import Capture, DecodeGraphs
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
 from vlmserve.engine.prompt_logprobs import PromptLogprobsRows, finished_buffer, new_buffer
-from vlmserve.engine.sampler import GrammarMask, Sampler, TokenHistory, greedy_tokens, token_logprobs
+from vlmserve.engine.sampler import GrammarMask, Sampler, TokenHistory, token_logprobs
 from vlmserve.engine.structured_output import GrammarCompiler, GrammarState, TokenBitmask
 from vlmserve.models.base import VLModel, item_rows, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
@@ -288,11 +288,8 @@ class ModelRunner:
                 self.token_bitmask = TokenBitmask(logits.shape[-1])
             grammar = GrammarMask(*self.token_bitmask.fill(grammar_states))
         params = [s.params for s in sampled]
-        tokens = greedy_tokens(logits, params) if grammar is None else None
-        if tokens is None:
-            logits = logits.float()
-            generators, histories = [s.generator for s in sampled], [s.history() for s in sampled]
-            tokens = self.sampler(logits, params, generators, histories, grammar)
+        generators, histories = [s.generator for s in sampled], [s.history() for s in sampled]
+        tokens = self.sampler(logits, params, generators, histories, grammar)
         # Tensor parallel: every rank appends rank 0's tokens (identity in one process).
         tokens = share_sampled([s.request_id for s in sampled], tokens)
         out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})

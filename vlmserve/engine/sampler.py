@@ -1,41 +1,30 @@
-"""Token sampling, in vLLM's order: the grammar mask of structured outputs; allowed_token_ids,
-bad words, min_tokens and logit_bias masks; the penalties (repetition over prompt and output,
-frequency and presence over the output); then greedy argmax, or temperature, min_p, top-k and
-top-p and a draw, with a generator per seeded request so its samples do not depend on what else
-is in the batch.
+"""Token sampling, in vLLM's order: the grammar mask, masks, bias and penalties
+(engine/logits_processors.py); then the argmax (greedy rows, and top_k 1 whatever the
+temperature), or temperature, min_p, top-k and top-p and a draw (engine/draw.py: one threshold and
+one uniform number per row), with a generator per seeded request so its samples do not depend on
+what else is in the batch.
 
-Each stage is one batched tensor operation over the rows that use it (a Python loop per row only
-gathers the ids to mask), and is skipped when no row in the batch uses it. The penalties are
-recomputed every step from each row's token ids, padded into one [rows, max_len] tensor: the
-logits of those tokens are gathered, penalized and scattered back (docs/benchmarks.md, "Sampling
-penalties", measures this against whole-vocabulary arithmetic on kept per-request counts): no
-state to keep across steps, preemptions or a failed step."""
+A step's logits are copied once into the sampler's own float32 buffer, kept from step to step (a
+fresh [rows, vocab] tensor costs its page faults every step), rows grouped by what they need:
+those drawn with a top-k or top-p cut, then those drawn over the whole vocabulary, then those that
+take the argmax; every stage then works in place on a slice of it. A step whose rows all take the
+plain argmax of bf16 CPU logits never copies them: the CPU kernels' argmax reads them as they are."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
 from vlmserve.engine.contracts import TokenLogprobs
-from vlmserve.engine.structured_output import apply_token_bitmask
+from vlmserve.engine.draw import apply_min_p as apply_min_p
+from vlmserve.engine.draw import apply_top_k_top_p as apply_top_k_top_p
+from vlmserve.engine.draw import argmax_rows, draw_whole_vocabulary, draw_with_cut, has_cut
+from vlmserve.engine.logits_processors import GrammarMask as GrammarMask
+from vlmserve.engine.logits_processors import TokenHistory as TokenHistory
+from vlmserve.engine.logits_processors import anything_to_apply, apply_in_place, has_masks
 from vlmserve.kernels.cpu import load_cpu_kernels
 from vlmserve.sampling_params import SamplingParams
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [b, vocab]; top_k [b] (0 = off); top_p [b] (1 = off). Cut tokens get -inf."""
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    cut = torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[TokenLogprobs | None]:
@@ -58,142 +47,38 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | N
     return out
 
 
-@dataclass
-class GrammarMask:
-    """Structured outputs' masks of one step: bitmask [b, ceil(vocab / 32)] int32 (bit set: the
-    grammar allows the token), applied to `rows` only."""
-
-    bitmask: torch.Tensor
-    rows: list[int]
-
-
-@dataclass
-class TokenHistory:
-    """A row's tokens so far, for the penalties, min_tokens and bad words."""
-
-    token_ids: list[int]  # prompt, then output (read only)
-    num_prompt_tokens: int
-    # What min_tokens holds back: eos ids and the request's stop_token_ids.
-    stop_token_ids: Collection[int] = ()
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-def apply_penalties(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
-) -> torch.Tensor:
-    """logits [b, vocab], one SamplingParams and history per row -> new penalized logits [b, vocab].
-    Repetition: transformers' rule over the distinct tokens of prompt and output. Frequency and
-    presence: OpenAI's, over the output. Only the logits of tokens in a row's history are read
-    and written (gather, scatter): [b, longest] work, not [b, vocab]."""
-    b, vocab = logits.shape
-    device = logits.device
-    longest = max(len(h.token_ids) for h in histories)
-    # [b, longest] token ids, padded with `vocab`: a column added here and cut off at the end.
-    padded = torch.tensor([h.token_ids + [vocab] * (longest - len(h.token_ids)) for h in histories], device=device)
-    work = torch.nn.functional.pad(logits, (0, 1))  # [b, vocab + 1], a copy
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    seen = work.gather(1, padded)  # [b, longest]
-    # Divided, not multiplied by the reciprocal: bit for bit as transformers. A token seen twice
-    # is written twice with the same value: penalized once.
-    work.scatter_(1, padded, torch.where(seen > 0, seen / repetition, seen * repetition))
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        num_prompt = torch.tensor([h.num_prompt_tokens for h in histories], device=device)
-        is_output = torch.arange(longest, device=device)[None, :] >= num_prompt[:, None]  # [b, longest]
-        output_ids = padded.masked_fill(~is_output, vocab)
-        counts = torch.zeros(b, vocab + 1, device=device).scatter_add_(
-            1, output_ids, torch.ones_like(work[:, :1]).expand_as(output_ids).contiguous()
-        )
-        count = counts.gather(1, output_ids)  # [b, longest]: times each output token occurs
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        values = work.gather(1, output_ids) - (frequency * count + presence)
-        work.scatter_(1, output_ids, values)
-    return work[:, :vocab]
-
-
-def _banned(params: SamplingParams, history: TokenHistory) -> list[int]:
-    """Tokens this row may not take now: each bad word's last token where the output ends with
-    the rest of it, and the stop tokens while min_tokens is not reached."""
-    banned: list[int] = []
-    if params.bad_words_token_ids:
-        output = history.token_ids[history.num_prompt_tokens :]
-        for word in params.bad_words_token_ids:
-            prefix = len(word) - 1
-            if prefix <= len(output) and output[len(output) - prefix :] == word[:prefix]:
-                banned.append(word[-1])
-    if history.num_output_tokens < params.min_tokens:
-        banned.extend(history.stop_token_ids)
-    return banned
-
-
-def apply_masks_and_bias(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
-) -> torch.Tensor:
-    """allowed_token_ids (every other token -inf), bad words and min_tokens (-inf), then
-    logit_bias (added), in place, one tensor operation each."""
-    vocab = logits.shape[-1]
-    allowing = [i for i, p in enumerate(params) if p.allowed_token_ids]
-    if allowing:
-        # [rows, vocab] True where a row may not go; cleared at each row's allowed ids.
-        blocked = torch.ones(len(allowing), vocab, dtype=torch.bool, device=logits.device)
-        pairs = [(j, t) for j, i in enumerate(allowing) for t in params[i].allowed_token_ids or () if t < vocab]
-        at = torch.tensor(pairs, dtype=torch.long, device=logits.device).reshape(-1, 2)  # [pairs, 2]
-        blocked[at[:, 0], at[:, 1]] = False
-        allowing_rows = torch.tensor(allowing, device=logits.device)
-        logits[allowing_rows] = logits[allowing_rows].masked_fill(blocked, float("-inf"))
-    rows: list[int] = []
-    tokens: list[int] = []
-    for i, (p, h) in enumerate(zip(params, histories, strict=True)):
-        if p.bad_words_token_ids or p.min_tokens:
-            banned = [t for t in _banned(p, h) if t < vocab]  # a stop id may lie past the vocabulary
-            rows.extend([i] * len(banned))
-            tokens.extend(banned)
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
-    rows, tokens, biases = [], [], []
-    for i, p in enumerate(params):
-        for token, bias in (p.logit_bias or {}).items():
-            if token < vocab:  # the front end refuses ids past the vocabulary
-                rows.append(i)
-                tokens.append(token)
-                biases.append(bias)
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(biases, device=logits.device), accumulate=True)
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """logits [b, vocab] (after temperature); min_p [b] (0 = off). Tokens less likely than min_p
-    times the most likely one get -inf."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def _masks(p: SamplingParams) -> bool:
-    """Whether the row's logits get masks or a bias (Sampler._process)."""
-    return bool(p.logit_bias or p.min_tokens or p.bad_words_token_ids or p.allowed_token_ids)
-
-
 def greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int] | None:
-    """The tokens of a step whose rows are all plain greedy (no masks, bias, penalties or logprobs;
-    the caller has no grammar) straight from bf16 CPU logits: the CPU kernels' argmax, torch's
-    argmax of the widened logits without the widening (1.2 + 2.2 ms over [32, 151936] on the
-    Zen 4 machine). None where it does not apply: the caller samples as usual."""
+    """The tokens of a step whose rows all take the argmax (greedy, or top_k 1) with nothing
+    else to apply (no masks, bias, penalties or logprobs; the caller has no grammar), straight
+    from bf16 CPU logits: the CPU kernels' argmax, torch's argmax of the widened logits without
+    the widening (1.2 + 2.2 ms over [32, 151936] on the Zen 4 machine). None where it does not
+    apply: the caller samples as usual."""
     if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2:
         return None
-    if not all(p.greedy and p.logprobs is None and not _masks(p) and not p.needs_penalties for p in params):
+    if not all(p.takes_argmax and p.logprobs is None and not has_masks(p) and not p.needs_penalties for p in params):
         return None
     kernels = load_cpu_kernels()
     return None if kernels is None else kernels.argmax(logits)
 
 
+def uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[r] float64 in (0, 1], one per row: a seeded row's from its own generator (so its samples do
+    not depend on the batch around it), every other row's from torch's default generator in one
+    call. One call per distinct generator, in row order."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    by_generator: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for i, generator in enumerate(generators):
+        by_generator.setdefault(id(generator), (generator, []))[1].append(i)
+    for generator, rows in by_generator.values():
+        # Generators live on the CPU; drawn there so seeded runs agree across devices.
+        u[rows] = torch.rand(len(rows), dtype=torch.float64, generator=generator)
+    return (1.0 - u).to(device, non_blocking=True)  # [0, 1) -> (0, 1]: a token of weight 0 is never drawn
+
+
 class Sampler:
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None  # [rows, vocab] float32, grown as batches need
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -202,32 +87,67 @@ class Sampler:
         histories: Sequence[TokenHistory] | None = None,
         grammar: GrammarMask | None = None,
     ) -> list[int]:
-        """logits [b, vocab] float32 (not modified) -> one token id per row. histories: each
-        row's tokens so far, needed by the penalties, min_tokens and bad words; grammar: the
+        """logits [b, vocab] (any float dtype; not modified) -> one token id per row. histories:
+        each row's tokens so far, needed by the penalties, min_tokens and bad words; grammar: the
         structured outputs' masks."""
-        assert logits.shape[0] == len(params) == len(generators)
+        b, vocab = logits.shape
+        assert b == len(params) == len(generators)
         assert histories is None or len(histories) == len(params)
-        logits = self.process(logits, params, histories, grammar)
-        greedy = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
-            return greedy.tolist()
-        rows = torch.tensor(random_rows, device=logits.device)
-        temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        top_k = torch.tensor([max(params[i].top_k, 0) for i in random_rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-        min_p = torch.tensor([params[i].min_p for i in random_rows], device=logits.device)
-        scaled = logits[rows] / temperature[:, None]
-        if bool((min_p > 0).any()):
-            scaled = apply_min_p(scaled, min_p)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        tokens = greedy.tolist()
-        for j, i in enumerate(random_rows):
-            # Generators live on the CPU; sample there so seeded runs agree across devices.
-            tokens[i] = int(torch.multinomial(probs[j].cpu(), 1, generator=generators[i]))
+        if grammar is None:
+            tokens = greedy_tokens(logits, params)
+            if tokens is not None:
+                return tokens
+        # Rows by what they need, in this order from here on: a draw with a top-k or top-p cut, a
+        # draw over the whole vocabulary, the argmax.
+        cut = [i for i, p in enumerate(params) if not p.takes_argmax and has_cut(p, vocab)]
+        whole = [i for i, p in enumerate(params) if not p.takes_argmax and not has_cut(p, vocab)]
+        order = cut + whole + [i for i, p in enumerate(params) if p.takes_argmax]
+        ordered = [params[i] for i in order]
+        n_cut, n_random = len(cut), len(cut) + len(whole)
+        if anything_to_apply(params, grammar):
+            # Every row copied and processed, then read from the buffer.
+            source = self._work(logits, order)
+            apply_in_place(
+                source,
+                ordered,
+                None if histories is None else [histories[i] for i in order],
+                _reordered_grammar(grammar, order),
+                lambda rows: logits[[order[j] for j in rows]],
+            )
+            rows = list(range(b))
+            whole_logits = source[n_cut:n_random]
+        else:
+            # The raw logits read where they are; the whole-vocabulary rows copied (their draw
+            # overwrites them).
+            source, rows = logits, order
+            whole_logits = self._work(logits, whole)
+        drawn = torch.empty(b, dtype=torch.long, device=logits.device)
+        u = uniforms([generators[i] for i in order[:n_random]], logits.device)
+        if n_cut:
+            drawn[:n_cut] = draw_with_cut(source, rows[:n_cut], ordered[:n_cut], u[:n_cut])
+        if n_random > n_cut:
+            drawn[n_cut:n_random] = draw_whole_vocabulary(whole_logits, ordered[n_cut:n_random], u[n_cut:])
+        if n_random < b:
+            drawn[n_random:] = argmax_rows(source, rows[n_random:])
+        tokens = [0] * b
+        for i, token in zip(order, drawn.tolist(), strict=True):
+            tokens[i] = token
         return tokens
+
+    def _work(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The sampler's float32 copy of rows `rows` of logits (its row j is logits[rows[j]]), in
+        its buffer: a view, valid until the next call."""
+        vocab = logits.shape[1]
+        buffer = self._buffer
+        if buffer is None or buffer.shape[0] < len(rows) or buffer.shape[1] != vocab or buffer.device != logits.device:
+            buffer = self._buffer = torch.empty(len(rows), vocab, dtype=torch.float32, device=logits.device)
+        work = buffer[: len(rows)]
+        if rows == list(range(logits.shape[0])):
+            work.copy_(logits)
+        else:
+            for j, i in enumerate(rows):
+                work[j].copy_(logits[i])
+        return work
 
     @staticmethod
     def process(
@@ -238,37 +158,17 @@ class Sampler:
     ) -> torch.Tensor:
         """The logits every draw starts from: grammar mask, masks, bias and penalties applied (a
         new tensor when any is; the input as is when none)."""
-        if grammar is not None and grammar.rows:
-            logits = logits.clone()
-            apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
-            processed = Sampler._process(logits, params, histories)
-            # A bad word may forbid the only token the grammar allows: the grammar wins there.
-            rows = torch.tensor(grammar.rows)
-            dead = rows[processed[rows].amax(dim=-1) == float("-inf")]
-            if len(dead):
-                processed = processed if processed is not logits else processed.clone()
-                processed[dead] = logits[dead]
-            return processed
-        return Sampler._process(logits, params, histories)
-
-    @staticmethod
-    def _process(
-        logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory] | None
-    ) -> torch.Tensor:
-        masked = [i for i, p in enumerate(params) if _masks(p)]
-        penalized = [i for i, p in enumerate(params) if p.needs_penalties]
-        if not masked and not penalized:
+        if not anything_to_apply(params, grammar):
             return logits
-        if histories is None:
-            raise ValueError("penalties, min_tokens and bad words need each row's token history")
-        if masked:
-            logits = apply_masks_and_bias(logits.clone(), params, histories)
-        if len(penalized) == len(params):
-            logits = apply_penalties(logits, params, histories)  # a new tensor
-        elif penalized:
-            rows = torch.tensor(penalized, device=logits.device)
-            logits = logits if masked else logits.clone()
-            logits[rows] = apply_penalties(
-                logits[rows], [params[i] for i in penalized], [histories[i] for i in penalized]
-            )
-        return logits
+        work = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        apply_in_place(work, params, histories, grammar, lambda rows: logits[rows])
+        return work
+
+
+def _reordered_grammar(grammar: GrammarMask | None, order: list[int]) -> GrammarMask | None:
+    """The grammar's masks for the rows in `order` (row j is row order[j])."""
+    if grammar is None or order == list(range(len(order))):
+        return grammar
+    position = {i: j for j, i in enumerate(order)}
+    index = torch.tensor(order, device=grammar.bitmask.device)
+    return GrammarMask(grammar.bitmask[index], sorted(position[i] for i in grammar.rows))

@@ -182,6 +182,8 @@ class CpuKernels:
         lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
         lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
         lib.vlm_argmax_bf16.argtypes = [p, p, i64, i64]
+        lib.vlm_topk.argtypes = [p, i64, i64, p, i64, i64, i64, p, p]
+        lib.vlm_topk.restype = None
         lib.vlm_rms_norm_heads_bf16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_float]
         for name in ("add_rms_norm_bf16", "rms_norm_heads_bf16", "rotary_qk_bf16", "argmax_bf16"):
             getattr(lib, f"vlm_{name}").restype = None
@@ -255,6 +257,21 @@ class CpuKernels:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._lib.vlm_argmax_bf16(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
         return out.tolist()
+
+    def topk(self, x: torch.Tensor, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest values of rows `rows` of bf16 or fp32 x [R, n] (each row contiguous, k <=
+        n), as torch.topk's sorted=True orders them (NaN above +inf; among equal values the
+        earlier index first): values [len(rows), k] fp32, indices [len(rows), k] int64."""
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.stride(1) == 1
+        assert 0 < k <= x.shape[1]
+        index = torch.tensor(rows, dtype=torch.int64)
+        values = torch.empty(len(rows), k, dtype=torch.float32)
+        indices = torch.empty(len(rows), k, dtype=torch.int64)
+        self._lib.vlm_topk(
+            x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), index.data_ptr(), len(rows), x.shape[1], k,
+            values.data_ptr(), indices.data_ptr(),
+        )  # fmt: skip
+        return values, indices
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""
