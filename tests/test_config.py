@@ -11,6 +11,7 @@ from vlmserve.config import parse_dtype
 from vlmserve.registry import load_model_config, parse_model_config
 
 
+@pytest.mark.parity
 def test_flat_and_nested_layouts_parse_alike(tiny_dir: Path, tmp_path: Path) -> None:
     flat = load_model_config(tiny_dir / "config.json")
     # The same model saved by transformers 5 (nested text_config, rope_parameters).

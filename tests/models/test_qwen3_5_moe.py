@@ -35,6 +35,7 @@ def hf_moe(moe_dir: Path):  # type: ignore[no-untyped-def]
     return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
 
 
+@pytest.mark.parity
 def test_tiny_config_reads_as_transformers_reads_it(moe_dir: Path) -> None:
     from transformers import AutoConfig
 
@@ -67,6 +68,7 @@ CASES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_and_decode_logits_match_transformers_float32(  # type: ignore[no-untyped-def]
     case: str, moe_dir: Path, hf_moe
@@ -93,6 +95,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.parity
 def test_greedy_batched_and_alone_match_transformers_generate(moe_dir: Path, hf_moe) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(moe_dir)
     prompts: dict[str, ProcessedPrompt] = {}
@@ -142,6 +145,7 @@ def test_a_checkpoint_missing_one_expert_or_with_one_too_many_is_refused(moe_dir
         model.load_weights(extra.items())
 
 
+@pytest.mark.parity
 def test_inspect_counts_the_parameters_a_token_uses() -> None:
     """transformers' default Qwen3.5-MoE (the 35B-A3B shape: 40 layers of 256 experts, 8 per
     token, 512 wide, and a shared expert): the total is transformers' own count, and a token
