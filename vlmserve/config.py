@@ -120,6 +120,9 @@ class ModelConfig:
     # [hidden]-wide rows an encoder output holds per placeholder token: 1, or 1 + the per-layer
     # extras a family adds deeper in the decoder (Qwen3-VL's DeepStack). Sizes the encoder cache.
     mm_embedding_rows: int = 1
+    # config.json's transformers_version: the transformers release that wrote the checkpoint (what
+    # its weights' layout may depend on), or None.
+    transformers_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,12 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return raw
+
+
+def transformers_version(raw: dict[str, Any]) -> str | None:
+    """config.json's transformers_version (the release that wrote it), as a string."""
+    version = raw.get("transformers_version")
+    return None if version is None else str(version)
 
 
 def checkpoint_dtype(raw: dict[str, Any], text_raw: dict[str, Any] | None = None) -> torch.dtype | None:

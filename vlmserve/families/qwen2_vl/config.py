@@ -12,6 +12,7 @@ from vlmserve.config import (
     VisionConfig,
     checkpoint_dtype,
     parse_text_config,
+    transformers_version,
 )
 
 QWEN2_VL_ARCHITECTURE = "Qwen2VLForConditionalGeneration"
@@ -56,6 +57,7 @@ def _parse(raw: dict[str, Any], parse_vision: Any, default_architecture: str) ->
         vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
     )
 
 

@@ -20,6 +20,7 @@ from vlmserve.config import (
     checkpoint_dtype,
     parse_text_config,
     require,
+    transformers_version,
 )
 from vlmserve.families.qwen3_vl.config import VISION_ALIASES, MoeConfig, parse_vision_config
 
@@ -146,6 +147,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
         family_config=family,
     )
 

@@ -16,6 +16,7 @@ from vlmserve.config import (
     checkpoint_dtype,
     parse_text_config,
     require,
+    transformers_version,
 )
 
 QWEN3_VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
@@ -139,6 +140,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
         family_config=family,
         mm_embedding_rows=1 + len(deepstack),
     )
