@@ -12,7 +12,8 @@ vlmserve/registry.py by model_type); this module holds the family-neutral parts 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,55 @@ class ModelConfig:
     # [hidden]-wide rows an encoder output holds per placeholder token: 1, or 1 + the per-layer
     # extras a family adds deeper in the decoder (Qwen3-VL's DeepStack). Sizes the encoder cache.
     mm_embedding_rows: int = 1
+    # config.json's transformers_version: the transformers release that wrote the checkpoint (what
+    # its weights' layout may depend on), or None.
+    transformers_version: str | None = None
 
 
-def require(d: dict[str, Any], key: str, where: str) -> Any:
+@dataclass(frozen=True)
+class FieldAliases:
+    """Other names config.json may give a field -> the name a family's parser reads, per section.
+
+    transformers' config classes accept a field under two names (their `attribute_map`): Qwen3-VL's
+    vision config takes `num_attention_heads` for `num_heads`, Qwen3-VL-MoE's text config writes
+    `num_experts` as `num_local_experts`. A family lists those names (and any its published files
+    used) here once; its parser reads each field under one name from the sections this returns."""
+
+    text: Mapping[str, str] = field(default_factory=dict)
+    vision: Mapping[str, str] = field(default_factory=dict)
+
+    def text_section(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The language model's fields: `text_config` (transformers 5's layout), else the top level (4.x's)."""
+        nested = raw.get("text_config")
+        return _rename_aliases(nested or raw, self.text, "text_config" if nested else "the top level")
+
+    def vision_section(self, raw: dict[str, Any]) -> dict[str, Any]:
+        return _rename_aliases(raw.get("vision_config") or {}, self.vision, "vision_config")
+
+
+def _rename_aliases(section: dict[str, Any], aliases: Mapping[str, str], where: str) -> dict[str, Any]:
+    """A copy of `section` with each alias renamed to its field's name; a field given under both
+    names with two values is refused (transformers would keep one of them silently)."""
+    out = dict(section)
+    for alias, name in aliases.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            raise ValueError(
+                f"config.json: {where} gives one field twice with different values: {name!r} is {out[name]!r} "
+                f"and {alias!r} (another name for it) is {value!r}; keep one of them"
+            )
+        out[name] = value
+    return out
+
+
+def require(d: dict[str, Any], key: str, where: str, aliases: Mapping[str, str] | None = None) -> Any:
+    """d[key], or an error naming the field (and its other names in `aliases`, alias -> name)."""
     if key not in d:
-        raise ValueError(f"config.json: {where} lacks required field {key!r}")
+        others = [alias for alias, name in (aliases or {}).items() if name == key]
+        also = f" (or {', '.join(map(repr, others))})" if others else ""
+        raise ValueError(f"config.json: {where} lacks required field {key!r}{also}")
     return d[key]
 
 
@@ -163,6 +208,12 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return raw
+
+
+def transformers_version(raw: dict[str, Any]) -> str | None:
+    """config.json's transformers_version (the release that wrote it), as a string."""
+    version = raw.get("transformers_version")
+    return None if version is None else str(version)
 
 
 def checkpoint_dtype(raw: dict[str, Any], text_raw: dict[str, Any] | None = None) -> torch.dtype | None:

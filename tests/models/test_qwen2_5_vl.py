@@ -124,6 +124,7 @@ def hf_media(media: list[Image.Image | Video]) -> list:
 # -- config ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_flat_and_nested_configs_parse_alike(tiny25_dir: Path, tmp_path: Path) -> None:
     from transformers import Qwen2_5_VLConfig
 
@@ -195,6 +196,7 @@ def test_bad_configs_say_what_is_wrong() -> None:
 # -- the vision tower -----------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "grids",
     [
@@ -214,6 +216,7 @@ def test_window_partition_matches_transformers(grids: list[tuple[int, int, int]]
     assert cu == ref_cu.tolist()
 
 
+@pytest.mark.parity
 def test_vision_tower_matches_transformers(tiny25_dir: Path, harness: Harness, hf25_model) -> None:  # type: ignore[no-untyped-def]
     media: list[Image.Image | Video] = [image(8, 12, 1), image(10, 6, 2), SHORT_VIDEO, image(20, 26, 3), LONG_VIDEO]
     prompt = our_prompt(tiny25_dir, chat(IMAGE, IMAGE, VIDEO, IMAGE, VIDEO), media)
@@ -240,6 +243,7 @@ IMAGE_CASES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", list(IMAGE_CASES))
 def test_image_logits_match_transformers_float32(
     case: str, tiny25_dir: Path, harness: Harness, hf25_model, hf_tok_and_images
@@ -256,6 +260,7 @@ def test_image_logits_match_transformers_float32(
     assert (ours - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_image_and_video_logits_match_transformers_float32(
     tiny25_dir: Path, harness: Harness, hf25_model, hf_tok_and_images
 ) -> None:  # type: ignore[no-untyped-def]
@@ -281,6 +286,7 @@ def test_image_and_video_logits_match_transformers_float32(
     assert (ours - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_long_video_chunked_and_decoded_match_transformers_given_positions(
     tiny25_dir: Path, harness: Harness, hf25_model, hf_tok_and_images
 ) -> None:  # type: ignore[no-untyped-def]
@@ -318,6 +324,7 @@ def test_long_video_chunked_and_decoded_match_transformers_given_positions(
     assert (ours - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_transformers_5x_weight_names(tiny25_dir: Path, tmp_path: Path, harness: Harness, hf25_model) -> None:  # type: ignore[no-untyped-def]
     """The same weights under transformers 5's module names (model.visual.*, model.language_model.*;
     its save_pretrained writes the 4.x names back) load alike."""
@@ -334,6 +341,7 @@ def test_transformers_5x_weight_names(tiny25_dir: Path, tmp_path: Path, harness:
     assert torch.equal(Harness(tmp_path).logits(prompt), harness.logits(prompt))
 
 
+@pytest.mark.parity
 def test_untied_nested_sharded_checkpoint(tmp_path: Path, hf_tok_and_images) -> None:  # type: ignore[no-untyped-def]
     """transformers 5's nested config, an untied lm_head and two shards, as `vlmserve make-tiny
     --arch qwen2_5_vl --nested-config --untied --shards 2` writes them."""
@@ -382,6 +390,7 @@ def llm(tiny25_dir: Path):  # type: ignore[no-untyped-def]
     )
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "case",
     [

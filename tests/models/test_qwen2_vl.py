@@ -33,6 +33,7 @@ def _two_image_prompt(tiny_dir: Path, images: dict[str, Image.Image]) -> tuple[P
     return prompt, pictures
 
 
+@pytest.mark.parity
 def test_logits_match_transformers_float32(
     tiny_dir: Path,
     images,
@@ -50,6 +51,7 @@ def test_logits_match_transformers_float32(
     assert (ours - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_chunked_prefill_and_decode_match_transformers(
     tiny_dir: Path,
     images,
@@ -71,6 +73,7 @@ def test_chunked_prefill_and_decode_match_transformers(
     assert (ours - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_vision_tower_matches_transformers(
     tiny_dir: Path, images, harness: Harness, hf_model, hf_image_processor
 ) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +87,7 @@ def test_vision_tower_matches_transformers(
         assert (a - b).abs().max().item() < 1e-5
 
 
+@pytest.mark.parity
 def test_untied_nested_sharded_checkpoint(tiny_untied_dir: Path, images, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
     from transformers import Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -98,6 +102,7 @@ def test_untied_nested_sharded_checkpoint(tiny_untied_dir: Path, images, hf_toke
     assert (ours - hf_logits(hf, ids, vision)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_is_as_accurate_as_transformers(
     tiny_dir: Path,

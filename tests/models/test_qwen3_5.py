@@ -90,6 +90,7 @@ def hf_inputs(model_dir: Path, text: str, pictures: list[Image.Image]) -> tuple[
 # -- config ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_tiny_config_reads_as_transformers_reads_it(tiny35_dir: Path) -> None:
     from transformers import AutoConfig
 
@@ -105,6 +106,7 @@ def test_tiny_config_reads_as_transformers_reads_it(tiny35_dir: Path) -> None:
     assert ours.text.mrope_section == tuple(text.rope_parameters["mrope_section"])
 
 
+@pytest.mark.parity
 def test_transformers_default_config_parses() -> None:
     """transformers' Qwen3_5Config() (the 9B-style defaults): full attention every 4th layer,
     64 of 256 head dimensions rotated, mrope_section (11, 11, 10) over them. (Its default vision
@@ -138,6 +140,7 @@ def test_bad_configs_say_what_is_wrong(tiny35_dir: Path) -> None:
 # -- the delta rule and the conv against transformers' torch fallbacks ---------------------------
 
 
+@pytest.mark.parity
 def test_chunked_delta_rule_carries_its_state_across_chunks() -> None:
     """A 150-token sequence from a random state in chunks of 37, 64 and 49 tokens (chunk
     boundaries off the 64-token grid) against transformers' chunked rule over the whole."""
@@ -162,6 +165,7 @@ def test_chunked_delta_rule_carries_its_state_across_chunks() -> None:
     assert (s - ref_state[0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parity
 def test_recurrent_step_matches_transformers_for_a_batch() -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
@@ -178,6 +182,7 @@ def test_recurrent_step_matches_transformers_for_a_batch() -> None:
     assert (out - ref[:, 0]).abs().max().item() < 1e-6 and (s - ref_state).abs().max().item() < 1e-6
 
 
+@pytest.mark.parity
 def test_causal_conv_carries_its_window_across_chunks_and_steps() -> None:
     """transformers' causal conv over 20 tokens = ours over 7 + 11 tokens, then two single steps."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
@@ -206,6 +211,7 @@ CASES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_and_decode_logits_match_transformers_float32(  # type: ignore[no-untyped-def]
     case: str, tiny35_dir: Path, harness: Harness, hf35_model
@@ -242,6 +248,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.parity
 def test_greedy_batched_and_alone_match_transformers_generate(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
     """Image, two images, text only and multi-turn in one call (a 64-token budget: image prompts
     prefilled in chunks while others decode), then each alone: transformers' tokens both times."""
@@ -278,6 +285,7 @@ def test_a_batch_of_16_mixed_lengths_gives_each_its_tokens_alone(tiny35_dir: Pat
         assert batched[key].outputs[0].token_ids == alone[key].outputs[0].token_ids, key
 
 
+@pytest.mark.parity
 def test_a_preempted_request_rebuilds_its_state_and_gives_transformers_tokens(  # type: ignore[no-untyped-def]
     tiny35_dir: Path, hf35_model, start_trace
 ) -> None:
@@ -299,6 +307,7 @@ def test_a_preempted_request_rebuilds_its_state_and_gives_transformers_tokens(  
     assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
 
 
+@pytest.mark.parity
 def test_a_repeated_image_prompt_reuses_kv_and_state_and_gives_transformers_tokens(  # type: ignore[no-untyped-def]
     tiny35_dir: Path, hf35_model
 ) -> None:
@@ -331,6 +340,7 @@ def test_a_repeated_image_prompt_reuses_kv_and_state_and_gives_transformers_toke
     assert_same_tokens_and_logprobs(out, hf_greedy_with_logprobs(hf35_model, ids2, vision, 6))
 
 
+@pytest.mark.parity
 def test_cached_kv_without_the_state_at_its_end_is_not_reused(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
     """A prompt sharing the first blocks of a cached one but diverging before its save point:
     those blocks' KV is cached, the state at their end is not, so nothing is reused and the
@@ -402,6 +412,7 @@ def test_a_budget_without_room_for_the_state_slots_is_refused_with_numbers() -> 
 # -- inspect --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_inspect_reports_state_bytes_per_request_beside_kv_bytes_per_token() -> None:
     """transformers' default Qwen3.5 (32 layers: 24 Gated DeltaNet, 8 full attention) in bfloat16:
     KV 8 x (K + V) x 4 heads x 256 x 2 bytes per token; per request, each DeltaNet layer's conv

@@ -35,6 +35,7 @@ def hf_moe(moe_dir: Path):  # type: ignore[no-untyped-def]
     return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
 
 
+@pytest.mark.parity
 def test_tiny_config_reads_as_transformers_reads_it(moe_dir: Path) -> None:
     from transformers import AutoConfig
 
@@ -67,6 +68,7 @@ CASES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_and_decode_logits_match_transformers_float32(  # type: ignore[no-untyped-def]
     case: str, moe_dir: Path, hf_moe
@@ -93,6 +95,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.parity
 def test_greedy_batched_and_alone_match_transformers_generate(moe_dir: Path, hf_moe) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(moe_dir)
     prompts: dict[str, ProcessedPrompt] = {}
@@ -106,6 +109,35 @@ def test_greedy_batched_and_alone_match_transformers_generate(moe_dir: Path, hf_
     assert {k: o.outputs[0].token_ids for k, o in batched.items()} == expected
     for key, prompt in prompts.items():
         assert run(engine, {key: prompt}, 8)[key].outputs[0].token_ids == expected[key]
+
+
+@pytest.mark.parity
+def test_a_checkpoint_saved_by_transformers_gives_its_greedy_tokens(moe_dir: Path, hf_moe, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What the installed transformers' save_pretrained writes (5.23 and 5.24: experts one by one
+    under the published names, num_experts as it is) loads and gives transformers' tokens."""
+    import shutil
+
+    import transformers
+
+    from vlmserve.model_files import read_json, weight_names
+
+    saved = tmp_path / "saved"
+    hf_moe.save_pretrained(str(saved))
+    for name in moe_dir.iterdir():
+        if not (saved / name.name).exists() and not name.name.startswith("model"):
+            shutil.copy(name, saved / name.name)  # the tokenizer and processor files it does not write
+    config = read_json(saved / "config.json")
+    assert config["transformers_version"] == transformers.__version__ and config["text_config"]["num_experts"] == 6
+    names = set(weight_names(saved) or [])
+    layer = "model.language_model.layers.3.mlp."
+    assert {layer + f"experts.5.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in names)
+    engine = make_engine(saved)
+    text, sizes = GREEDY_CASES[0]
+    pictures = [image(*size) for size in sizes]
+    ids, vision = hf_inputs(saved, text, pictures)
+    prompt = engine.processor.process(text, [ImageInput(p) for p in pictures])
+    assert run(engine, {"p": prompt}, 8)["p"].outputs[0].token_ids == hf_mm_greedy(hf_moe, ids, vision, 8)
 
 
 def test_make_tiny_writes_experts_one_by_one_as_published(tmp_path: Path) -> None:
@@ -142,6 +174,7 @@ def test_a_checkpoint_missing_one_expert_or_with_one_too_many_is_refused(moe_dir
         model.load_weights(extra.items())
 
 
+@pytest.mark.parity
 def test_inspect_counts_the_parameters_a_token_uses() -> None:
     """transformers' default Qwen3.5-MoE (the 35B-A3B shape: 40 layers of 256 experts, 8 per
     token, 512 wide, and a shared expert): the total is transformers' own count, and a token

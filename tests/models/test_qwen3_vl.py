@@ -88,6 +88,7 @@ def test_published_configs_parse() -> None:
     assert moe.text.num_key_value_heads == 4 and not moe.text.tie_word_embeddings
 
 
+@pytest.mark.parity
 def test_tiny_config_reads_as_transformers_reads_it(tiny3_dir: Path, tiny3_moe_dir: Path) -> None:
     from transformers import AutoConfig
 
@@ -128,6 +129,7 @@ def test_bad_configs_say_what_is_wrong() -> None:
 # -- rotary and the vision tower ----------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_interleaved_mrope_matches_transformers() -> None:
     from transformers import Qwen3VLTextConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
@@ -142,6 +144,7 @@ def test_interleaved_mrope_matches_transformers() -> None:
     assert not torch.allclose(sectioned, cos[0], atol=1e-3)  # the layouts differ where t, h, w differ
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "grids",
     [
@@ -181,6 +184,7 @@ IMAGE_CASES = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", list(IMAGE_CASES))
 def test_logits_match_transformers_float32(case: str, tiny3_dir: Path, harness: Harness, hf3_model) -> None:  # type: ignore[no-untyped-def]
     text, sizes = IMAGE_CASES[case]
@@ -219,12 +223,14 @@ def _chunked_case(model_dir: Path, model: Harness, hf) -> float:  # type: ignore
     return (ours - reference).abs().max().item()
 
 
+@pytest.mark.parity
 def test_chunks_ending_inside_images_then_decode_match_transformers(
     tiny3_dir: Path, harness: Harness, hf3_model
 ) -> None:  # type: ignore[no-untyped-def]
     assert _chunked_case(tiny3_dir, harness, hf3_model) < 1e-4
 
 
+@pytest.mark.parity
 def test_moe_logits_match_transformers_float32(tiny3_moe_dir: Path, moe_harness: Harness, hf3_moe_model) -> None:  # type: ignore[no-untyped-def]
     text, sizes = IMAGE_CASES["two images 16x16 and 22x14"]
     pictures = [image(*size) for size in sizes]
@@ -233,6 +239,7 @@ def test_moe_logits_match_transformers_float32(tiny3_moe_dir: Path, moe_harness:
     assert (moe_harness.logits(prompt) - hf_mm_logits(hf3_moe_model, ids, vision)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_moe_chunked_and_decoded_match_transformers(tiny3_moe_dir: Path, moe_harness: Harness, hf3_moe_model) -> None:  # type: ignore[no-untyped-def]
     assert _chunked_case(tiny3_moe_dir, moe_harness, hf3_moe_model) < 1e-4
 
@@ -269,6 +276,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_greedy_batched_and_alone_match_transformers_generate(  # type: ignore[no-untyped-def]
     arch: str, request: pytest.FixtureRequest
@@ -326,6 +334,7 @@ def video_prompt(model_dir: Path, text: str, pictures: list[Image.Image], clip: 
     return prompt, vision
 
 
+@pytest.mark.parity
 def test_video_logits_chunked_match_transformers_float32(tiny3_dir: Path, harness: Harness, hf3_model) -> None:  # type: ignore[no-untyped-def]
     """An image then a 3-patch video: transformers' positions (each timestamped span at the
     temporal position of its start) and logits, our prefill cut inside a span."""
@@ -343,6 +352,7 @@ def test_video_logits_chunked_match_transformers_float32(tiny3_dir: Path, harnes
     assert (harness.logits(prompt, chunks=chunks) - reference).abs().max().item() < 1e-4
 
 
+@pytest.mark.parity
 def test_video_greedy_through_the_offline_api_matches_transformers_generate(tiny3_dir: Path, hf3_model) -> None:  # type: ignore[no-untyped-def]
     """A video file through LLM.generate (the processor's timestamped spans, the engine's
     per-span items) against transformers' generate on the same pixels."""

@@ -1,6 +1,7 @@
 """Table-driven weight loading: checkpoint names map onto (possibly fused) parameters. Under
 tensor parallelism a parameter whose module declares a ShardSpec (models/parallel.py) takes only
-its rank's slice of each checkpoint tensor (its own offsets replace the table's `shards`)."""
+its rank's slice of each checkpoint tensor (its own offsets replace the table's `shards`). Stacked
+expert weights may come either way round (models/expert_layout.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlmserve.models.parallel import spec_of
+from vlmserve.models.expert_layout import CheckpointExpertLayouts, to_out_in
+from vlmserve.models.parallel import ShardSpec, spec_of
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class WeightTable:
     # transformers' MoE conversion stacks them: "<p>.experts.<e>.<module>.weight" -> row e of
     # "<p>.experts.<stacked>", all of it (shard None) or the shard's rows (`shards` gives where).
     experts: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    # Stacked expert parameters (our names; [experts, out, in]) that checkpoints store either way
+    # round, [experts, out, in] or [experts, in, out]: told apart by models/expert_layout.py.
+    either_layout: frozenset[str] = frozenset()
+    # config.json's transformers_version (the release that wrote the checkpoint), for those
+    # tensors whose shapes cannot tell.
+    transformers_version: str | None = None
 
 
 def resolve_name(ckpt_name: str, table: WeightTable) -> tuple[str, str | None, int | None]:
@@ -65,6 +73,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     unexpected: list[str] = []
+    layouts = CheckpointExpertLayouts(table.transformers_version)
+    # Square stacked expert tensors, read both ways round: loaded once the rest of the checkpoint
+    # has said which (none in the published checkpoints, whose in and out sizes differ).
+    square: list[tuple[str, torch.Tensor, str]] = []
     for ckpt_name, tensor in weights:
         if table.ignore(ckpt_name):
             continue
@@ -74,40 +86,20 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             continue
         if name in table.reshape:
             tensor = table.reshape[name](tensor)
-        param = params[name]
-        target = param.data
-        key = name
-        if expert is not None:
-            if not 0 <= expert < target.shape[0]:
-                raise ValueError(f"weight {ckpt_name}: expert {expert}, the model has {target.shape[0]} experts")
-            target = target[expert]
-            key = f"{name}#{expert}"
-        owner, _, attr = name.rpartition(".")
-        spec = spec_of(modules[owner], attr)
-        if spec is not None:
-            # The rank's slice (all of it at tp_size 1); a stacked expert's row has one dim less.
-            dim = spec.dim - (expert is not None)
-            if tensor.ndim <= dim or tensor.shape[dim] != spec.full_size(shard):
-                raise ValueError(
-                    f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects "
-                    f"{spec.full_size(shard)} along dimension {dim}"
-                )
-            start, size, tensor = spec.narrow(tensor, shard, dim)
-            target = target.narrow(dim, start, size)
-        elif shard is not None:
-            assert table.shards is not None
-            start, size = table.shards(name, shard)
-            target = target.narrow(0, start, size)
-        if shard is not None:
-            key = f"{key}#{shard}"
-        loaded.add(key)
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        if name in table.either_layout and expert is None and shard is None:
+            owner, _, attr = name.rpartition(".")
+            whole = _checkpoint_shape(params[name], spec_of(modules[owner], attr))
+            layout = layouts.layout_of(ckpt_name, tensor, whole)
+            if layout is None:
+                square.append((ckpt_name, tensor, name))
+                continue
+            tensor = to_out_in(tensor, layout)
+        loaded.add(_copy_in(ckpt_name, tensor, name, shard, expert, params, modules, table))
     if unexpected:
         raise ValueError(f"checkpoint holds weights this model does not have: {unexpected[:8]}")
+    for ckpt_name, tensor, name in square:
+        tensor = to_out_in(tensor, layouts.resolve(ckpt_name, tensor))
+        loaded.add(_copy_in(ckpt_name, tensor, name, None, None, params, modules, table))
     expected: set[str] = set()
     fused_shards: dict[str, list[str]] = {}
     for fused, shard in table.packed.values():
@@ -132,3 +124,56 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     missing = sorted(m for m in expected - loaded if m.split("#")[0] not in loaded)
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _checkpoint_shape(param: nn.Parameter, spec: ShardSpec | None) -> tuple[int, ...]:
+    """The whole checkpoint tensor's shape of a parameter that may hold only this rank's slice."""
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size(None)
+    return tuple(shape)
+
+
+def _copy_in(
+    ckpt_name: str,
+    tensor: torch.Tensor,
+    name: str,
+    shard: str | None,
+    expert: int | None,
+    params: dict[str, nn.Parameter],
+    modules: dict[str, nn.Module],
+    table: WeightTable,
+) -> str:
+    """Copy checkpoint tensor `ckpt_name` (already in our layout) into its place in parameter
+    `name` (shard `shard` of it, row `expert` of it, this rank's slice of it); the key it loaded."""
+    target = params[name].data
+    key = name
+    if expert is not None:
+        if not 0 <= expert < target.shape[0]:
+            raise ValueError(f"weight {ckpt_name}: expert {expert}, the model has {target.shape[0]} experts")
+        target = target[expert]
+        key = f"{name}#{expert}"
+    owner, _, attr = name.rpartition(".")
+    spec = spec_of(modules[owner], attr)
+    if spec is not None:
+        # The rank's slice (all of it at tp_size 1); a stacked expert's row has one dim less.
+        dim = spec.dim - (expert is not None)
+        if tensor.ndim <= dim or tensor.shape[dim] != spec.full_size(shard):
+            raise ValueError(
+                f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                f"{spec.full_size(shard)} along dimension {dim}"
+            )
+        start, size, tensor = spec.narrow(tensor, shard, dim)
+        target = target.narrow(dim, start, size)
+    elif shard is not None:
+        assert table.shards is not None
+        start, size = table.shards(name, shard)
+        target = target.narrow(0, start, size)
+    if shard is not None:
+        key = f"{key}#{shard}"
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+    return key

@@ -6,10 +6,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config
+from vlmserve.config import (
+    FieldAliases,
+    ModelConfig,
+    VisionConfig,
+    checkpoint_dtype,
+    parse_text_config,
+    transformers_version,
+)
 
 QWEN2_VL_ARCHITECTURE = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+# The attribute_map of transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig (5.23 and 5.24),
+# and the names the published 4.x config.json files give the channels and the patch size.
+ALIASES = FieldAliases(
+    vision={
+        "num_attention_heads": "num_heads",
+        "num_hidden_layers": "depth",
+        "in_chans": "in_channels",
+        "spatial_patch_size": "patch_size",
+    }
+)
 
 
 def parse_qwen2_vl_config(raw: dict[str, Any]) -> ModelConfig:
@@ -21,10 +39,9 @@ def parse_qwen2_5_vl_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _parse(raw: dict[str, Any], parse_vision: Any, default_architecture: str) -> ModelConfig:
-    # transformers 5 nests the language model's fields; 4.x keeps them at the top level.
-    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    text_raw = ALIASES.text_section(raw)
     text = parse_text_config(text_raw, raw)
-    vision: VisionConfig = parse_vision(raw.get("vision_config") or {}, text.hidden_size)
+    vision: VisionConfig = parse_vision(ALIASES.vision_section(raw), text.hidden_size)
     if vision.hidden_size != text.hidden_size:
         raise ValueError(
             f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
@@ -40,6 +57,7 @@ def _parse(raw: dict[str, Any], parse_vision: Any, default_architecture: str) ->
         vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
     )
 
 
@@ -51,8 +69,8 @@ def _parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> VisionConf
         num_heads=int(v.get("num_heads", 16)),
         mlp_ratio=float(v.get("mlp_ratio", 4)),
         hidden_size=int(v.get("hidden_size", text_hidden_size)),
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size", 14)),
         temporal_patch_size=int(v.get("temporal_patch_size", 2)),
         spatial_merge_size=int(v.get("spatial_merge_size", 2)),
         hidden_act=v.get("hidden_act", "quick_gelu"),
@@ -71,8 +89,8 @@ def _parse_qwen2_5_vision_config(v: dict[str, Any], text_hidden_size: int) -> Vi
         num_heads=int(v.get("num_heads", 16)),
         mlp_ratio=4.0,  # unused: the MLP width is intermediate_size
         hidden_size=int(v.get("out_hidden_size", text_hidden_size)),
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        patch_size=int(v.get("patch_size", v.get("spatial_patch_size", 14))),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=int(v.get("patch_size", 14)),
         temporal_patch_size=int(v.get("temporal_patch_size", 2)),
         spatial_merge_size=int(v.get("spatial_merge_size", 2)),
         hidden_act=v.get("hidden_act", "silu"),

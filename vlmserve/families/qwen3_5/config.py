@@ -14,12 +14,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, checkpoint_dtype, parse_text_config, require
-from vlmserve.families.qwen3_vl.config import MoeConfig, parse_vision_config
+from vlmserve.config import (
+    FieldAliases,
+    ModelConfig,
+    checkpoint_dtype,
+    parse_text_config,
+    require,
+    transformers_version,
+)
+from vlmserve.families.qwen3_vl.config import VISION_ALIASES, MoeConfig, parse_vision_config
 
 QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 LAYER_TYPES = ("linear_attention", "full_attention")
+# transformers' Qwen3_5VisionConfig / Qwen3_5MoeVisionConfig attribute_map (5.23 and 5.24); their text
+# configs have none (Qwen3.5-MoE's writes num_experts as it is).
+ALIASES = FieldAliases(vision=VISION_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ def parse_qwen3_5_moe_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
-    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    text_raw = ALIASES.text_section(raw)
     moe_config = _parse_moe(text_raw) if moe else None
     shared_width = int(text_raw.get("shared_expert_intermediate_size", 512)) if moe else 0
     rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
@@ -106,7 +116,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
             f"config.json: text_config.layer_types must name {num_layers} layers, each one of {list(LAYER_TYPES)}; "
             f"got {len(layer_types)}{f' with {bad}' if bad else ''}"
         )
-    vision, num_positions = parse_vision_config(raw.get("vision_config") or {}, text.hidden_size)
+    vision, num_positions = parse_vision_config(ALIASES.vision_section(raw), text.hidden_size)
     family = Qwen35FamilyConfig(
         layer_types=layer_types,
         conv_kernel_dim=int(text_raw.get("linear_conv_kernel_dim", 4)),
@@ -137,6 +147,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
         family_config=family,
     )
 

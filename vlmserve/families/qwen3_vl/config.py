@@ -9,10 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, VisionConfig, checkpoint_dtype, parse_text_config, require
+from vlmserve.config import (
+    FieldAliases,
+    ModelConfig,
+    VisionConfig,
+    checkpoint_dtype,
+    parse_text_config,
+    require,
+    transformers_version,
+)
 
 QWEN3_VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE_ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
+
+# The attribute_map of transformers' vision config of Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 (-MoE), 5.23 and 5.24.
+VISION_ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+ALIASES = FieldAliases(vision=VISION_ALIASES)
+# Qwen3VLMoeTextConfig's attribute_map too: its save_pretrained writes num_experts as num_local_experts
+# (5.23 and 5.24; the published checkpoints, written by 4.57, say num_experts).
+MOE_ALIASES = FieldAliases(text={"num_local_experts": "num_experts"}, vision=VISION_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,9 @@ def parse_qwen3_vl_moe_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> tuple[VisionConfig, int]:
-    """The Qwen3-VL vision tower's config.json section (Qwen3.5 has the same tower): its
-    VisionConfig and the number of learned position embeddings (a square)."""
+    """The Qwen3-VL vision tower's config.json section (Qwen3.5 has the same tower), its aliases
+    renamed (FieldAliases.vision_section): its VisionConfig and the number of learned position
+    embeddings (a square)."""
     vision = VisionConfig(
         depth=int(v.get("depth", 27)),
         embed_dim=int(v.get("hidden_size", 1152)),
@@ -87,13 +103,14 @@ def parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> tuple[Visio
 
 
 def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelConfig:
-    text_raw: dict[str, Any] = raw.get("text_config") or raw
+    aliases = MOE_ALIASES if moe else ALIASES
+    text_raw = aliases.text_section(raw)
     text_raw = {"head_dim": 128, **text_raw} if not moe else text_raw  # Qwen3VLTextConfig's default
     text = parse_text_config(text_raw, raw)
     if text.mrope_section is None or len(text.mrope_section) != 3:
         raise ValueError("config.json: text_config.rope_parameters needs an mrope_section of three numbers")
     rope = text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {}
-    v = raw.get("vision_config") or {}
+    v = aliases.vision_section(raw)
     vision, num_positions = parse_vision_config(v, text.hidden_size)
     deepstack = tuple(int(i) for i in v.get("deepstack_visual_indexes", (8, 16, 24)))
     bad = [i for i in deepstack if not 0 <= i < vision.depth]
@@ -123,6 +140,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
         vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
+        transformers_version=transformers_version(raw),
         family_config=family,
         mm_embedding_rows=1 + len(deepstack),
     )
@@ -130,7 +148,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
 
 def _parse_moe(t: dict[str, Any]) -> MoeConfig:
     config = MoeConfig(
-        num_experts=int(require(t, "num_experts", "the text config")),
+        num_experts=int(require(t, "num_experts", "the text config", MOE_ALIASES.text)),
         num_experts_per_tok=int(require(t, "num_experts_per_tok", "the text config")),
         moe_intermediate_size=int(require(t, "moe_intermediate_size", "the text config")),
         norm_topk_prob=bool(t.get("norm_topk_prob", True)),

@@ -88,12 +88,14 @@ class Qwen3VLForConditionalGeneration(VLModel):
             "visual.patch_embed.proj.weight": lambda w: w.reshape(embed_dim, -1)
         }
         moe = self.family.moe
-        if moe is not None:
-            # Published experts are [expert, in, out] (a bmm's layout); ours are [expert, out, in].
-            for layer in range(text.num_hidden_layers):
-                if moe.is_sparse(layer):
-                    for name in ("gate_up_proj", "down_proj"):
-                        reshape[f"model.layers.{layer}.mlp.experts.{name}"] = lambda w: w.transpose(1, 2)
+        # Experts stacked per layer: [expert, in, out] as published (transformers 4.57), [expert, out,
+        # in] as transformers 5 saves them and as held here; models/expert_layout.py tells which.
+        stacked = frozenset(
+            f"model.layers.{layer}.mlp.experts.{name}"
+            for layer in range(text.num_hidden_layers)
+            if moe is not None and moe.is_sparse(layer)
+            for name in ("gate_up_proj", "down_proj")
+        )
         return WeightTable(
             # transformers 5 (and the published checkpoints) save model.language_model.* and model.visual.*
             renames=(("model.language_model.", "model."), ("model.visual.", "visual.")),
@@ -108,6 +110,8 @@ class Qwen3VLForConditionalGeneration(VLModel):
             ignore=lambda name: (
                 name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
             ),
+            either_layout=stacked,
+            transformers_version=self.config.transformers_version,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

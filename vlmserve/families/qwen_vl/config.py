@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, require
+from vlmserve.config import ModelConfig, TextConfig, VisionConfig, checkpoint_dtype, require, transformers_version
 
 QWEN_VL_ARCHITECTURE = "QWenLMHeadModel"
 
@@ -145,6 +145,7 @@ def parse_qwen_vl_config(raw: dict[str, Any]) -> ModelConfig:
         vision_start_token_id=visual.image_start_id,
         vision_end_token_id=visual.image_start_id + 1,
         checkpoint_dtype=checkpoint_dtype(raw),
+        transformers_version=transformers_version(raw),
         family_config=QwenVLConfig(
             seq_length=int(raw.get("seq_length", 2048)),
             use_dynamic_ntk=bool(raw.get("use_dynamic_ntk", True)),
