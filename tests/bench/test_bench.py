@@ -98,3 +98,85 @@ def test_bench_without_transformers_or_sweeps_prints_its_tables_and_phases(
     # Each measured run shows its progress in output tokens, to the last one.
     progress = [r.getMessage() for r in caplog.records if r.name == "vlmserve.bench.run_vlmserve"]
     assert any(line.startswith("vlmserve workload: 5/5 tokens (100%)") for line in progress), progress
+
+
+def test_bench_samples_as_asked_and_compares_each_sampling_with_the_first(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [str(tiny_dir), "--dtype", "float32", "--no-hf", "--num-requests", "3", "--image-size", "56"]
+    args += ["--input-len", "4", "--output-len", "6", "6", "--single-output-len", "3", "--threads", "2"]
+    args += ["--concurrency", "--image-sizes", "--out", str(tmp_path)]
+    main(
+        [*args, "--sampling", "greedy", "checkpoint", "temperature=1.5,top_k=50,top_p=1.0,presence_penalty=0.5"]
+        + ["checkpoint+json"]
+    )
+    report = json.loads((tmp_path / "bench.json").read_text())
+    # The tiny checkpoint carries Qwen2-VL's published generation_config.json; values go on top.
+    assert report["sampling"] == {
+        "greedy": {"temperature": 0.0},
+        "checkpoint": {"repetition_penalty": 1.0, "temperature": 0.01, "top_k": 1, "top_p": 0.001},
+        "temperature=1.5,top_k=50,top_p=1.0,presence_penalty=0.5": {
+            "repetition_penalty": 1.0,
+            "temperature": 1.5,
+            "top_k": 50,
+            "top_p": 1.0,
+            "presence_penalty": 0.5,
+        },
+        "checkpoint+json": {
+            "repetition_penalty": 1.0,
+            "temperature": 0.01,
+            "top_k": 1,
+            "top_p": 0.001,
+            "json_schema": True,
+        },
+    }
+    by_sampling = report["results"]["vlmserve"]["workload_by_sampling"]
+    assert [r["sampling"] for r in by_sampling["rows"]] == list(report["sampling"])
+    assert by_sampling["rows"][0]["x_first"] == 1.0 and all(r["useful_tokens_per_s"] > 0 for r in by_sampling["rows"])
+    greedy = [r["token_ids"] for r in report["results"]["vlmserve"]["workload"]["requests"]]
+    runs = by_sampling["runs"]
+    # Qwen2-VL's top_k 1 is the argmax: greedy's tokens; the values sample (a random tiny model's
+    # flat distribution: 18 tokens all equal to greedy's would be a draw that does not happen).
+    assert [r["token_ids"] for r in runs["checkpoint"]["requests"]] == greedy
+    sampled = runs["temperature=1.5,top_k=50,top_p=1.0,presence_penalty=0.5"]["requests"]
+    assert [r["token_ids"] for r in sampled] != greedy and all(len(r["token_ids"]) == 6 for r in sampled)
+    # Under a JSON schema each request's answer starts as its schema allows: an object.
+    texts = [llm_text(tiny_dir, r["token_ids"]) for r in runs["checkpoint+json"]["requests"]]
+    assert all(t.startswith("{") for t in texts), texts
+    assert "workload by sampling" in capsys.readouterr().out
+
+
+def llm_text(model_dir: Path, token_ids: list[int]) -> str:
+    from vlmserve.registry import family_of, load_model_config
+
+    tokenizer = family_of(load_model_config(model_dir / "config.json")).load_tokenizer(model_dir)
+    return tokenizer.decode(token_ids)
+
+
+def test_sampling_specs_are_checked_and_transformers_samples_the_same_way() -> None:
+    import argparse
+
+    from vlmserve.bench.sampling import hf_generate_kwargs, sampling_fields, sampling_spec
+
+    assert sampling_spec("temperature=0.7,top_k=20") == "temperature=0.7,top_k=20"
+    assert sampling_spec("greedy+json") == "greedy+json"
+    for bad in ("temp=0.7", "top_k=two", "temperature"):
+        with pytest.raises(argparse.ArgumentTypeError, match="sampling spec|takes a"):
+            sampling_spec(bad)
+    qwen25 = {"temperature": 0.01, "top_k": 1, "top_p": 0.001, "repetition_penalty": 1.05, "max_tokens": 512}
+    assert sampling_fields("checkpoint", qwen25) == {k: v for k, v in qwen25.items() if k != "max_tokens"}
+    assert sampling_fields("top_p=0.9", qwen25)["top_p"] == 0.9
+    assert hf_generate_kwargs(sampling_fields("checkpoint", qwen25)) == {
+        "do_sample": True,
+        "temperature": 0.01,
+        "top_k": 1,
+        "top_p": 0.001,
+        "min_p": None,
+        "repetition_penalty": 1.05,
+    }
+    # greedy keeps the checkpoint's repetition penalty from sneaking in through generation_config.json
+    assert hf_generate_kwargs({"temperature": 0.0})["repetition_penalty"] == 1.0
+    with pytest.raises(ValueError, match="no json_schema"):
+        hf_generate_kwargs(sampling_fields("greedy+json", qwen25))
+    with pytest.raises(ValueError, match="no presence_penalty"):
+        hf_generate_kwargs({"temperature": 0.7, "presence_penalty": 1.5})

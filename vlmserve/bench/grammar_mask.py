@@ -12,20 +12,11 @@ from pathlib import Path
 
 import torch
 
+from vlmserve.bench.sampling import request_schema
 from vlmserve.engine.sampler import GrammarMask, Sampler
 from vlmserve.engine.structured_output import GrammarCompiler, TokenBitmask, apply_token_bitmask
 from vlmserve.registry import family_of, load_model_config
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
-
-
-def _schema(i: int) -> dict:
-    properties = {
-        f"name{i}": {"type": "string", "maxLength": 12},
-        "count": {"type": "integer", "minimum": 0, "maximum": 1000 + i},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", f"t{i}"]}, "maxItems": 4},
-        "nested": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
-    }
-    return {"type": "object", "properties": properties, "required": list(properties)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     eos = [tokenizer.eos_token_id or 0]
     grammars = GrammarCompiler(lambda: [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)], vocab, eos)
     start = time.perf_counter()
-    specs = [StructuredOutputsParams(json=_schema(i)) for i in range(args.batch)]
+    specs = [StructuredOutputsParams(json=request_schema(i)) for i in range(args.batch)]
     for spec in specs:
         grammars.compile(spec)
     print(f"vocabulary + compile {args.batch} schemas: {time.perf_counter() - start:.2f} s")

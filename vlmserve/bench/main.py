@@ -28,11 +28,14 @@ from vlmserve.bench.metrics import RunResult, greedy_agreement, print_table
 from vlmserve.bench.options import add_arguments
 from vlmserve.bench.run_hf import load_hf_model, probe_batch_sizes, run_hf
 from vlmserve.bench.run_vlmserve import run_vlmserve
+from vlmserve.bench.sampling import sampling_fields
 from vlmserve.bench.single import run_single
 from vlmserve.bench.workload import BenchRequest, make_workload, max_model_len_for
+from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.kernels.dispatch import linear_op_json
 from vlmserve.models.layers import bound_linear_op
+from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class Phases:
             self.total = 2 + (0 if args.no_hf else 1)
         else:
             self.total = 3 + (0 if args.no_hf else 3) + bool(args.concurrency) + bool(args.image_sizes)
+            self.total += len(args.sampling) > 1
         self.done = 0
         self.start = time.perf_counter()
 
@@ -96,9 +100,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "linear_layers": linear_op_json(bound_linear_op(engine.model)),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
+    # SamplingParams fields of each --sampling spec; the first is what every run but the extra
+    # workload runs samples with (transformers' through generate).
+    samplings = {spec: sampling_fields(spec, engine.frontend.sampling_defaults) for spec in args.sampling}
+    args.sampling_fields = samplings[args.sampling[0]]
+    report["sampling"] = samplings
     size = (args.image_size, args.image_size)
     single = make_workload(llm, 1, size, args.input_len, (args.single_output_len,) * 2, args.seed + 1)
-    run_vlmserve(engine, make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2), 2, tag="-warmup")
+    warmup = make_workload(llm, 2, (56, 56), 8, (4, 4), args.seed + 2)
+    for fields in samplings.values():
+        run_vlmserve(engine, warmup, 2, tag="-warmup", sampling=fields)
     if args.single:
         return _run_single(args, llm, single, report, phases)
     workload = make_workload(llm, args.num_requests, size, args.input_len, tuple(args.output_len), args.seed)
@@ -107,14 +118,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # has none, and a repeated request would otherwise be served from them.
     engine.reset_prefix_cache()
     phases.begin(f"vlmserve: the workload ({args.num_requests} requests, all in flight)")
-    ours = run_vlmserve(engine, workload, concurrency=args.num_requests, desc="vlmserve workload")
+    sampling = args.sampling_fields
+    ours = run_vlmserve(engine, workload, args.num_requests, desc="vlmserve workload", sampling=sampling)
     results: dict[str, Any] = {"vlmserve": {"workload": ours.to_json()}}
+    if len(samplings) > 1:
+        results["vlmserve"]["workload_by_sampling"] = _by_sampling(args, engine, workload, ours, samplings, phases)
 
     hf_model = None
     if args.no_hf:
         engine.reset_prefix_cache()
         phases.begin("vlmserve: one request alone")
-        alone = run_vlmserve(engine, single, concurrency=1, tag="-single", desc="one request")
+        alone = run_vlmserve(engine, single, 1, tag="-single", desc="one request", sampling=sampling)
         results["vlmserve"]["single"] = [alone.to_json()]
         print_table("workload", [ours.summary()], list(ours.summary()))
         print_table("one request alone", [alone.summary()], list(alone.summary()))
@@ -123,10 +137,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases.begin("transformers: probing batch sizes")
         best, probes = probe_batch_sizes(hf_model, workload, args.hf_batch_sizes)
         phases.begin(f"transformers: the workload at batch size {best}")
-        theirs = run_hf(hf_model, workload, best, desc="transformers workload")
-        # Both engines ran the same requests greedily: their tokens say whether the numbers
-        # compare like with like (a fast engine producing other tokens is no result).
-        report["greedy_agreement"] = greedy_agreement(ours, theirs)
+        theirs = run_hf(hf_model, workload, best, desc="transformers workload", sampling=sampling)
+        # Where both engines took the argmax (greedy, or a top_k of 1 as Qwen2-VL's defaults),
+        # their tokens say whether the numbers compare like with like (a fast engine producing
+        # other tokens is no result); sampled tokens differ by chance.
+        if SamplingParams(**sampling).takes_argmax:
+            report["greedy_agreement"] = greedy_agreement(ours, theirs)
         # One request alone, alternating engines so that both see the same machine conditions
         # (this machine's memory bandwidth drifts by tens of percent over minutes).
         ours_single: list[RunResult] = []
@@ -135,8 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.single_rounds):
             engine.reset_prefix_cache()
             round_name = f"round {r + 1} of {args.single_rounds}"
-            ours_single.append(run_vlmserve(engine, single, 1, tag=f"-single{r}", desc=f"vlmserve, {round_name}"))
-            theirs_single.append(run_hf(hf_model, single, 1, desc=f"transformers, {round_name}"))
+            ours_single.append(
+                run_vlmserve(engine, single, 1, tag=f"-single{r}", desc=f"vlmserve, {round_name}", sampling=sampling)
+            )
+            theirs_single.append(run_hf(hf_model, single, 1, desc=f"transformers, {round_name}", sampling=sampling))
         results["transformers"] = {"batch_size_probe": probes, "workload": theirs.to_json()}
         results["vlmserve"]["single"] = [x.to_json() for x in ours_single]
         results["transformers"]["single"] = [x.to_json() for x in theirs_single]
@@ -160,10 +178,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for x in pair
         ]
         print_table("one request alone", rows, ["round", *ours.summary()])
-        agreement = report["greedy_agreement"]
-        print(
-            f"\ngreedy tokens: {agreement['identical']} of {agreement['requests']} requests identical in both engines"
-        )
+        agreement = report.get("greedy_agreement")
+        if agreement is not None:
+            print(
+                f"\ngreedy tokens: {agreement['identical']} of {agreement['requests']} requests identical in both "
+                "engines"
+            )
         print("\nvlmserve / transformers (higher is better for vlmserve):")
         for name, value in report["ratios"].items():
             print(f"  {name}: {value}x")
@@ -173,6 +193,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _print_linear_layers(report["linear_layers"])
     _write(report, args.out)
     return report
+
+
+def _by_sampling(
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    workload: list[BenchRequest],
+    first: RunResult,
+    samplings: dict[str, dict[str, Any]],
+    phases: Phases,
+) -> dict[str, Any]:
+    """The workload again through vlmserve with each further --sampling spec, right after the first
+    (the same machine minutes): useful tokens/s of each and its ratio to the first's."""
+    phases.begin(f"vlmserve: the workload with each further sampling ({len(samplings) - 1})")
+    runs = {args.sampling[0]: first}
+    for spec, fields in list(samplings.items())[1:]:
+        engine.reset_prefix_cache()
+        runs[spec] = run_vlmserve(engine, workload, args.num_requests, desc=f"vlmserve, {spec}", sampling=fields)
+    rows = [
+        {
+            "sampling": spec,
+            "useful_tokens_per_s": round(run.useful_tokens_per_s, 2),
+            "x_first": round(_ratio(run.useful_tokens_per_s, first.useful_tokens_per_s), 3),
+            "tpot_mean_s": round(run.tpot_mean, 4),
+        }
+        for spec, run in runs.items()
+    ]
+    print_table(f"workload by sampling (x_first: useful tokens/s over {args.sampling[0]}'s)", rows, list(rows[0]))
+    return {"rows": rows, "runs": {spec: run.to_json() for spec, run in runs.items() if run is not first}}
 
 
 def _run_single(
@@ -190,7 +238,7 @@ def _load_transformers(args: argparse.Namespace, llm: LLM, phases: Phases) -> An
     """transformers' model of the same checkpoint, warmed up on a small request."""
     phases.begin("transformers: loading the model")
     hf_model = load_hf_model(args.hf_model or Path(llm.llm_engine.model_dir), getattr(torch, args.dtype))
-    run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1)
+    run_hf(hf_model, make_workload(llm, 1, (56, 56), 8, (4, 4), args.seed + 2), 1, sampling=args.sampling_fields)
     return hf_model
 
 
@@ -214,6 +262,7 @@ def _print_linear_layers(linear: dict[str, Any]) -> None:
 
 def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -> dict[str, list[dict[str, Any]]]:
     engine = llm.llm_engine
+    sampling = args.sampling_fields
     out: dict[str, list[dict[str, Any]]] = {"concurrency": [], "image_size": []}
     side = args.image_size
     if args.concurrency:
@@ -229,9 +278,10 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -
                 args.seed + 100 + c,
             )
             engine.reset_prefix_cache()
-            rows = [run_vlmserve(engine, reqs, c, tag=f"-c{c}", desc=f"vlmserve, {c} in flight").summary()]
+            run = run_vlmserve(engine, reqs, c, tag=f"-c{c}", desc=f"vlmserve, {c} in flight", sampling=sampling)
+            rows = [run.summary()]
             if hf_model is not None:
-                rows.append(run_hf(hf_model, reqs, c, desc=f"transformers, batch {c}").summary())
+                rows.append(run_hf(hf_model, reqs, c, desc=f"transformers, batch {c}", sampling=sampling).summary())
             out["concurrency"].extend(rows)
         print_table("concurrency sweep", out["concurrency"], [*out["concurrency"][0], "batch_size"])
     if args.image_sizes:
@@ -240,9 +290,10 @@ def _sweeps(args: argparse.Namespace, llm: LLM, hf_model: Any, phases: Phases) -
         for s in args.image_sizes:
             reqs = make_workload(llm, n, (s, s), args.input_len, tuple(args.sweep_output_len), args.seed + 200 + s)
             engine.reset_prefix_cache()
-            rows = [run_vlmserve(engine, reqs, n, tag=f"-s{s}", desc=f"vlmserve, {s}x{s}").summary()]
+            run = run_vlmserve(engine, reqs, n, tag=f"-s{s}", desc=f"vlmserve, {s}x{s}", sampling=sampling)
+            rows = [run.summary()]
             if hf_model is not None:
-                rows.append(run_hf(hf_model, reqs, n, desc=f"transformers, {s}x{s}").summary())
+                rows.append(run_hf(hf_model, reqs, n, desc=f"transformers, {s}x{s}", sampling=sampling).summary())
             for row, r in zip(rows, [reqs] * len(rows), strict=True):
                 row["image_size"] = s
                 row["image_tokens"] = r[0].prompt.mm_items[0].length

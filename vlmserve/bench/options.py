@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from vlmserve.arg_types import positive_int
+from vlmserve.bench.sampling import sampling_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[1, 2, 4, 8, 16, 32],
         metavar="N",
         help="static batch sizes transformers is probed at (the best one runs the workload)",
+    )
+    p.add_argument(
+        "--sampling",
+        type=sampling_spec,
+        nargs="+",
+        default=["checkpoint"],
+        metavar="SPEC",
+        help="how requests sample: 'checkpoint' (the checkpoint's generation_config.json, what a request that "
+        "sets no sampling field gets; the default), 'greedy', or values on top of the checkpoint's such as "
+        "temperature=0.7,top_k=20,top_p=0.8; '+json' after any: each request follows its own "
+        "JSON schema. Several: vlmserve runs the workload once with each (ratios to the "
+        "first); transformers, the one-request rounds and the sweeps take the first",
     )
     p.add_argument("--no-hf", action="store_true", help="skip transformers: vlmserve's numbers only")
     p.add_argument(

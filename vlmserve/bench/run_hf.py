@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vlmserve.bench.metrics import RequestTiming, RunResult
+from vlmserve.bench.sampling import hf_generate_kwargs
 from vlmserve.bench.workload import BenchRequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.progress import progress
@@ -71,10 +72,10 @@ def _batch_inputs(batch: list[BenchRequest]) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def generate_batch(
-    model: Any, batch: list[BenchRequest], max_new_tokens: int
+    model: Any, batch: list[BenchRequest], max_new_tokens: int, sampling: dict[str, Any] | None = None
 ) -> tuple[float, float, float, list[list[int]]]:
     """(start, first logits, end, each row's max_new_tokens new tokens) of one generate call,
-    greedy, never stopping early."""
+    sampling as `sampling` (SamplingParams fields; default greedy), never stopping early."""
     from transformers import LogitsProcessorList
 
     clock = _FirstLogits()
@@ -88,8 +89,8 @@ def generate_batch(
         # Run past eos without keeping it from being chosen, as vlmserve's ignore_eos (and
         # vLLM's) does; min_new_tokens would mask eos and change the greedy tokens.
         eos_token_id=None,
-        do_sample=False,
         pad_token_id=PAD_ID,
+        **hf_generate_kwargs({"temperature": 0.0} if sampling is None else sampling),
         logits_processor=LogitsProcessorList([clock]),
     )
     if sequences.is_cuda:
@@ -100,8 +101,15 @@ def generate_batch(
     return start, clock.at or end, end, new_tokens
 
 
-def run_hf(model: Any, requests: list[BenchRequest], batch_size: int, desc: str | None = None) -> RunResult:
-    """`desc`: show progress (output tokens, batch by batch, with an estimate of the time left)."""
+def run_hf(
+    model: Any,
+    requests: list[BenchRequest],
+    batch_size: int,
+    desc: str | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> RunResult:
+    """`desc`: show progress (output tokens, batch by batch, with an estimate of the time left).
+    `sampling`: SamplingParams fields, sampled the same way through generate (default greedy)."""
     timings = []
     total = sum(r.output_len for r in requests)
     tokens = progress(desc=desc, total=total, unit="token", logger=logger) if desc else None
@@ -110,7 +118,7 @@ def run_hf(model: Any, requests: list[BenchRequest], batch_size: int, desc: str 
         for i in range(0, len(requests), batch_size):
             batch = requests[i : i + batch_size]
             batch_len = max(r.output_len for r in batch)
-            _, first, end, new_tokens = generate_batch(model, batch, batch_len)
+            _, first, end, new_tokens = generate_batch(model, batch, batch_len, sampling)
             per_token = (end - first) / max(batch_len - 1, 1)
             for r, row in zip(batch, new_tokens, strict=True):
                 # A request's own tokens arrive at the batch's pace; it is done at its own length.

@@ -7,20 +7,30 @@ import contextlib
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from vlmserve.bench.metrics import RequestTiming, RunResult
+from vlmserve.bench.sampling import JSON_SCHEMA, request_schema
 from vlmserve.bench.workload import BenchRequest
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.progress import progress
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 
 def run_vlmserve(
-    engine: LLMEngine, requests: list[BenchRequest], concurrency: int, tag: str = "", desc: str | None = None
+    engine: LLMEngine,
+    requests: list[BenchRequest],
+    concurrency: int,
+    tag: str = "",
+    desc: str | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> RunResult:
-    """`desc`: show progress (output tokens, with an estimate of the time left) under this name."""
+    """`desc`: show progress (output tokens, with an estimate of the time left) under this name.
+    `sampling`: SamplingParams fields of every request (bench/sampling.py; default greedy)."""
+    fields = dict({"temperature": 0.0} if sampling is None else sampling)
+    json_schema = fields.pop(JSON_SCHEMA, False)
     pending = deque(requests)
     timings: dict[str, RequestTiming] = {}
     in_flight = 0
@@ -30,7 +40,8 @@ def run_vlmserve(
         nonlocal in_flight
         request = pending.popleft()
         request_id = f"bench{tag}-{request.index}"
-        params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+        schema = StructuredOutputsParams(json=request_schema(request.index)) if json_schema else None
+        params = SamplingParams(**fields, max_tokens=request.output_len, ignore_eos=True, structured_outputs=schema)
         engine.add_request(request_id, request.prompt, params)
         now = time.perf_counter()
         timings[request_id] = RequestTiming(request.index, request.prompt.num_tokens, 0, now, 0.0, 0.0)

@@ -20,7 +20,7 @@ import time
 import torch
 
 from vlmserve.arg_types import positive_int
-from vlmserve.bench.grammar_mask import _schema
+from vlmserve.bench.sampling import request_schema
 from vlmserve.engine.sampler import GrammarMask, Sampler, TokenHistory
 from vlmserve.engine.structured_output import GrammarCompiler, GrammarState, TokenBitmask
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -75,7 +75,7 @@ def _grammar_rows(batch: int) -> tuple[list[GrammarState], list[StructuredOutput
     grammars = GrammarCompiler(
         lambda: [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)], VOCAB, [tokenizer.eos_token_id or 0]
     )
-    specs = [StructuredOutputsParams(json=_schema(i)) for i in range(batch)]
+    specs = [StructuredOutputsParams(json=request_schema(i)) for i in range(batch)]
     return [grammars.matcher(spec) for spec in specs], specs, grammars
 
 

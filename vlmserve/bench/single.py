@@ -89,7 +89,9 @@ def run_single(args: argparse.Namespace, llm: LLM, hf_model: Any, request: list[
         bandwidth = read_bandwidth_gbs(buffer)
         engine.reset_prefix_cache()
         name = f"round {r + 1} of {args.single_rounds}"
-        mine = run_vlmserve(engine, request, 1, tag=f"-single{r}", desc=f"vlmserve, {name}")
+        mine = run_vlmserve(
+            engine, request, 1, tag=f"-single{r}", desc=f"vlmserve, {name}", sampling=args.sampling_fields
+        )
         ours.append(mine)
         limit = step_bytes / (bandwidth * 1e9)
         row: dict[str, Any] = {
@@ -101,7 +103,7 @@ def run_single(args: argparse.Namespace, llm: LLM, hf_model: Any, request: list[
             "vlmserve_ttft_s": round(mine.ttft_mean, 3),
         }
         if hf_model is not None:
-            hf = run_hf(hf_model, request, 1, desc=f"transformers, {name}")
+            hf = run_hf(hf_model, request, 1, desc=f"transformers, {name}", sampling=args.sampling_fields)
             theirs.append(hf)
             row |= {
                 "transformers_step_ms": round(hf.tpot_mean * 1e3, 1),
