@@ -219,3 +219,42 @@ def test_unseeded_rows_draw_their_own_numbers() -> None:
     for params in (SamplingParams(temperature=1.0), SamplingParams(top_k=8), SamplingParams(top_p=0.97)):
         tokens = Sampler()(logits.repeat(64, 1), [params] * 64, [None] * 64)
         assert len(set(tokens)) > 3, params
+
+
+def test_grammar_masks_on_every_path_follow_the_masked_distribution(candidates_by: str) -> None:
+    """Structured outputs' masks go with the candidates of rows drawn with a cut and rows taking
+    the argmax, and mask the logits of whole-vocabulary rows and of rows with bad words: each
+    samples the distribution of its logits with the forbidden tokens at -inf."""
+    from vlmserve.engine.sampler import GrammarMask
+
+    logits = row_logits()
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[17, 5, 1200, 44, 45, 0, 1500, 3000]] = True  # not 2900 (2.5), 2047, 999
+    allowed[torch.arange(100, 2000, 3)] = True  # some of the tail
+    words = -(-VOCAB // 32)
+    bits = torch.zeros(words * 32, dtype=torch.bool)
+    bits[:VOCAB] = allowed
+    packed = (bits.view(words, 32).long() << torch.arange(32)).sum(-1)
+    row_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    groups = [(0.7, 6, 1.0, 0.0), (0.8, 0, 0.5, 0.0), (1.0, 0, 0.97, 0.0), (1.0, 0, 1.0, 0.0), (1.2, 5, 0.9, 0.0)]
+    rows = 2500
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in groups] * rows
+    # the last group also has a bad word it never meets (its output is empty): the masking path
+    params[len(groups) - 1 :: len(groups)] = [
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.9, bad_words_token_ids=[[1, 2]])
+    ] * rows
+    histories = [TokenHistory([7], 1)] * len(params)
+    grammar = GrammarMask(row_mask.repeat(len(params), 1), list(range(len(params))))
+    generator = torch.Generator().manual_seed(5)
+    batch = logits.repeat(len(params), 1)
+    tokens = np.array(Sampler()(batch, params, [generator] * len(params), histories, grammar))
+    masked = logits.masked_fill(~allowed, float("-inf")).numpy()
+    for g, group in enumerate(groups):
+        assert_follows(tokens[g :: len(groups)], reference(masked, *group), group, len(groups))
+    greedy = Sampler()(
+        logits[None].bfloat16(), [SamplingParams(temperature=0)], [None], None, GrammarMask(row_mask[None], [0])
+    )
+    assert greedy == [17] and masked.argmax() == 17
+    two = logits.clone()
+    two[17] = -5.0  # the largest allowed is now 5 (2.5), tied with 2900, which is not allowed
+    assert Sampler()(two[None], [SamplingParams(temperature=0)], [None], None, GrammarMask(row_mask[None], [0])) == [5]

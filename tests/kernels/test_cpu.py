@@ -135,6 +135,31 @@ def test_topk_gives_torchs_values_and_the_earliest_of_equal_ones(dtype: torch.dt
     assert torch.equal(kernels.topk(wide[:, :vocab], rows, k)[1], ids)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_takes_only_what_a_rows_bitmask_allows(dtype: torch.dtype) -> None:
+    """Structured outputs' masks (xgrammar's layout: bit t % 32 of word t // 32) as if the others
+    were -inf; a row allowing fewer than k tokens ends in -inf."""
+    assert kernels is not None
+    vocab, k = 1003, 20  # a tail past the last 16 and the last 8, in a word of its own
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, vocab, generator=g) * 3).to(dtype)
+    words = -(-vocab // 32)
+    bits = torch.rand(3, words * 32, generator=g) < 0.3  # row 0 of the masks: ~30 % allowed
+    bits[1] = False
+    bits[1, [5, 700, 1002]] = True  # row 1: three tokens, one in the tail
+    bits[2] = True  # row 2: everything
+    packed = (bits.view(3, words, 32).long() << torch.arange(32)).sum(-1)
+    bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rows, mask_rows = [0, 1, 2, 3, 0], [0, 1, 2, -1, -1]
+    values, ids = kernels.topk(x, rows, k, bitmask, mask_rows)
+    for i, (row, m) in enumerate(zip(rows, mask_rows, strict=True)):
+        reference = x[row].float().masked_fill(~bits[m, :vocab], float("-inf")) if m >= 0 else x[row].float()
+        assert torch.equal(values[i], reference.topk(k).values), i
+    assert sorted(ids[1, :3].tolist()) == [5, 700, 1002] and values[1, 3:].eq(float("-inf")).all()
+    assert torch.equal(ids[3], kernels.topk(x, [3], k)[1][0])
+
+
 # -- paged decode attention --------------------------------------------------------------------------
 
 BLOCK_SIZE = 16

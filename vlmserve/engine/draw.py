@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vlmserve.engine.structured_output import apply_token_bitmask
 from vlmserve.kernels.cpu import load_cpu_kernels
 from vlmserve.sampling_params import SamplingParams
 
@@ -85,22 +86,47 @@ def has_cut(p: SamplingParams, vocab: int) -> bool:
     return bool(_top_k(p, vocab)) or p.top_p < 1.0
 
 
-def largest(source: torch.Tensor, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class RowMasks:
+    """Structured outputs' masks of the rows a draw reads: bitmask [B, ceil(vocab / 32)] int32
+    (xgrammar's layout: a set bit allows its token) and, for row i, its row in it (-1: none).
+    Applied where the candidates are taken (the CPU top-k kernel skips what a mask forbids), so
+    the logits themselves are never masked: no [rows, vocab] pass for it."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+    def select(self, positions: list[int]) -> RowMasks:
+        return RowMasks(self.bitmask, [self.rows[j] for j in positions])
+
+    def apply(self, x: torch.Tensor) -> None:
+        """x [len(rows), vocab] float32, in place: what each row's mask forbids gets -inf."""
+        at = [i for i, row in enumerate(self.rows) if row >= 0]
+        if at:
+            index = torch.tensor([max(row, 0) for row in self.rows], device=self.bitmask.device)
+            apply_token_bitmask(x, self.bitmask[index], at)
+
+
+def largest(
+    source: torch.Tensor, rows: list[int], k: int, masks: RowMasks | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of rows `rows` of source [R, vocab] (bf16 or fp32), descending, as
-    fp32 [len(rows), k], and their token ids [len(rows), k]. On the CPU the CPU kernels' top-k
-    (one pass over each row as it is; torch.topk needs the rows gathered and takes ~10x as
-    long at k ~ 36), else torch.topk."""
+    fp32 [len(rows), k], and their token ids [len(rows), k]; with masks, of the tokens each row's
+    mask allows (then -inf). On the CPU the CPU kernels' top-k (one pass over each row as it is;
+    torch.topk needs the rows gathered and takes ~10x as long at k ~ 36), else torch.topk."""
     kernels = load_cpu_kernels() if source.device.type == "cpu" else None
     if kernels is not None and source.dtype in (torch.bfloat16, torch.float32) and source.stride(1) == 1:
-        return kernels.topk(source, rows, k)
-    values, ids = _gather_rows(source, rows).topk(k, dim=-1)
-    return values.float(), ids
+        if masks is None:
+            return kernels.topk(source, rows, k)
+        return kernels.topk(source, rows, k, masks.bitmask.to(torch.int32).contiguous(), masks.rows)
+    values, ids = _dense(source, rows, masks).topk(k, dim=-1)
+    return values, ids
 
 
-def argmax_rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def argmax_rows(source: torch.Tensor, rows: list[int], masks: RowMasks | None = None) -> torch.Tensor:
     """[len(rows)] the first index of the largest value in each of `rows` of source [R, vocab] (a
-    NaN the largest, as torch.argmax)."""
-    return largest(source, rows, 1)[1].squeeze(1)
+    NaN the largest, as torch.argmax), among the tokens its mask allows."""
+    return largest(source, rows, 1, masks)[1].squeeze(1)
 
 
 def _gather_rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -110,13 +136,27 @@ def _gather_rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return source[torch.tensor(rows, device=source.device)]
 
 
+def _dense(source: torch.Tensor, rows: list[int], masks: RowMasks | None) -> torch.Tensor:
+    """Rows `rows` of source as float32, masked where masks say (a copy wherever a mask applies)."""
+    x = _gather_rows(source, rows)
+    if masks is None or all(row < 0 for row in masks.rows):
+        return x.float()
+    x = x.to(torch.float32, copy=True)
+    masks.apply(x)
+    return x
+
+
 def draw_with_cut(
-    source: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], u: torch.Tensor
+    source: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    u: torch.Tensor,
+    masks: RowMasks | None = None,
 ) -> torch.Tensor:
     """Rows `rows` of source [R, vocab] (any float dtype: raw logits, or with masks and penalties
     applied; not changed), each with a top-k or top-p cut (its SamplingParams, temperature > 0),
-    u [len(rows)] float64 in (0, 1] -> [len(rows)] tokens: decided on each row's largest
-    candidates where they suffice, on wider ones or a full sort where not."""
+    u [len(rows)] float64 in (0, 1], masks (for each of `rows`) -> [len(rows)] tokens: decided on
+    each row's largest candidates where they suffice, on wider ones or a full sort where not."""
     vocab = source.shape[1]
     p = RowParams.of(params, vocab, source.device)
     # Each row's first candidates: past its top-k (ties), or top-p's; too many for a partial
@@ -132,10 +172,11 @@ def draw_with_cut(
         log_mass = None
         if any(not _top_k(params[j], vocab) for j in selected):
             # Rows without a top-k cut place their top-p cut against the mass of the whole row.
-            log_mass = _log_mass(source, rows, p.temperature)
+            log_mass = _log_mass(source, rows, p.temperature, masks)
         for width in widths:
-            chosen = [rows[j] for j in pending.tolist()]
-            values, ids = largest(source, chosen, width)  # [n, width] descending
+            at = pending.tolist()
+            chosen = [rows[j] for j in at]
+            values, ids = largest(source, chosen, width, None if masks is None else masks.select(at))  # descending
             q = p.select(pending)
             z = values / q.temperature[:, None]
             threshold, decided = cut_threshold(z, q, None if log_mass is None else log_mass[pending], False)
@@ -145,23 +186,26 @@ def draw_with_cut(
                 break
         sorted_now += pending.tolist()
     if sorted_now:
-        at = torch.tensor(sorted_now, device=source.device)
-        values, ids = _sort_rows(_gather_rows(source, [rows[j] for j in sorted_now]).float())
-        q = p.select(at)
+        chosen = [rows[j] for j in sorted_now]
+        values, ids = _sort_rows(_dense(source, chosen, None if masks is None else masks.select(sorted_now)))
+        index = torch.tensor(sorted_now, device=source.device)
+        q = p.select(index)
         z = values / q.temperature[:, None]
         threshold, _ = cut_threshold(z, q, None, complete=True)
-        tokens[at] = _draw_sorted(z, ids, threshold, u[at])
+        tokens[index] = _draw_sorted(z, ids, threshold, u[index])
     return tokens
 
 
-def _log_mass(source: torch.Tensor, rows: list[int], temperature: torch.Tensor) -> torch.Tensor:
-    """[len(rows)] logsumexp of each row divided by its temperature, a few rows at a time (whole
-    [rows, vocab] temporaries cost their page faults: ~5 ms each at 32 rows)."""
+def _log_mass(source: torch.Tensor, rows: list[int], temperature: torch.Tensor, masks: RowMasks | None) -> torch.Tensor:
+    """[len(rows)] logsumexp of each row (masked) divided by its temperature, a few rows at a time
+    (whole [rows, vocab] temporaries cost their page faults: ~5 ms each at 32 rows)."""
     out = torch.empty(len(rows), dtype=torch.float32, device=source.device)
     for start in range(0, len(rows), ROWS_AT_A_TIME):
-        chunk = rows[start : start + ROWS_AT_A_TIME]
-        scaled = source[chunk].float() / temperature[start : start + len(chunk), None]
-        out[start : start + len(chunk)] = scaled.logsumexp(dim=-1)
+        positions = list(range(start, min(start + ROWS_AT_A_TIME, len(rows))))
+        chunk = _dense(source, [rows[j] for j in positions], None if masks is None else masks.select(positions))
+        out[start : start + len(positions)] = (chunk / temperature[start : start + len(positions), None]).logsumexp(
+            dim=-1
+        )
     return out
 
 
@@ -184,8 +228,11 @@ def cut_threshold(
     threshold = torch.where(p.top_k > 0, torch.maximum(threshold, kth), threshold)
     weights = torch.exp((z - top[:, None]).double()) * (z >= threshold[:, None])  # [r, k] relative to the top
     cumulative = weights.cumsum(dim=-1)
+    # Every token past the candidates ranks at or below the last one: none of them counts where
+    # that one is cut, or is -inf (a token masked out has no weight, kept or not).
+    beyond_cut = torch.ones_like(top, dtype=torch.bool) if complete else z[:, -1] == float("-inf")
     # What min_p and top-k keep is all among the candidates unless the last candidate is kept.
-    inside = torch.ones_like(top, dtype=torch.bool) if complete else z[:, -1] < threshold
+    inside = beyond_cut | (z[:, -1] < threshold)
     mass, known = cumulative[:, -1], inside
     if log_mass is not None:
         whole_row = (p.top_k == 0) & (p.min_p == 0)
@@ -196,7 +243,7 @@ def cut_threshold(
     nucleus = ((cumulative - weights) < p.top_p.double()[:, None] * mass[:, None]) & (weights > 0)
     last = z.gather(1, (nucleus.sum(dim=-1).clamp(min=1) - 1)[:, None]).squeeze(1)  # the nucleus is a prefix
     threshold = torch.where(p.top_p < 1.0, torch.maximum(threshold, last), threshold)
-    decided = known if complete else known & (z[:, -1] < threshold)
+    decided = known & (beyond_cut | (z[:, -1] < threshold))
     return threshold, decided
 
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from vlmserve.engine.contracts import TokenLogprobs
+from vlmserve.engine.draw import RowMasks, argmax_rows, draw_whole_vocabulary, draw_with_cut, has_cut
 from vlmserve.engine.draw import apply_min_p as apply_min_p
 from vlmserve.engine.draw import apply_top_k_top_p as apply_top_k_top_p
-from vlmserve.engine.draw import argmax_rows, draw_whole_vocabulary, draw_with_cut, has_cut
 from vlmserve.engine.logits_processors import GrammarMask as GrammarMask
 from vlmserve.engine.logits_processors import TokenHistory as TokenHistory
 from vlmserve.engine.logits_processors import anything_to_apply, apply_in_place, has_masks
@@ -104,6 +104,10 @@ class Sampler:
         order = cut + whole + [i for i, p in enumerate(params) if p.takes_argmax]
         ordered = [params[i] for i in order]
         n_cut, n_random = len(cut), len(cut) + len(whole)
+        # A grammar's mask goes with the candidates of a row drawn with a cut or taking the argmax
+        # (no [rows, vocab] pass); the rest (the whole-vocabulary draw, a row whose bad words may
+        # forbid what its grammar allows) mask the logits first.
+        candidate_masks, grammar = _split_grammar(grammar, order, ordered, n_cut, n_random)
         if anything_to_apply(params, grammar):
             # Every row copied and processed, then read from the buffer.
             source = self._work(logits, order)
@@ -124,11 +128,12 @@ class Sampler:
         drawn = torch.empty(b, dtype=torch.long, device=logits.device)
         u = uniforms([generators[i] for i in order[:n_random]], logits.device)
         if n_cut:
-            drawn[:n_cut] = draw_with_cut(source, rows[:n_cut], ordered[:n_cut], u[:n_cut])
+            masks = _part(candidate_masks, 0, n_cut)
+            drawn[:n_cut] = draw_with_cut(source, rows[:n_cut], ordered[:n_cut], u[:n_cut], masks)
         if n_random > n_cut:
             drawn[n_cut:n_random] = draw_whole_vocabulary(whole_logits, ordered[n_cut:n_random], u[n_cut:])
         if n_random < b:
-            drawn[n_random:] = argmax_rows(source, rows[n_random:])
+            drawn[n_random:] = argmax_rows(source, rows[n_random:], _part(candidate_masks, n_random, b))
         tokens = [0] * b
         for i, token in zip(order, drawn.tolist(), strict=True):
             tokens[i] = token
@@ -172,3 +177,33 @@ def _reordered_grammar(grammar: GrammarMask | None, order: list[int]) -> Grammar
     position = {i: j for j, i in enumerate(order)}
     index = torch.tensor(order, device=grammar.bitmask.device)
     return GrammarMask(grammar.bitmask[index], sorted(position[i] for i in grammar.rows))
+
+
+def _split_grammar(
+    grammar: GrammarMask | None, order: list[int], ordered: list[SamplingParams], n_cut: int, n_random: int
+) -> tuple[RowMasks | None, GrammarMask | None]:
+    """The grammar's rows whose mask goes with their candidates (rows in `order`'s positions; a
+    row drawn with a cut or taking the argmax, without bad words or allowed_token_ids, which
+    may forbid every token its grammar allows), and the grammar of the rest (original rows)."""
+    if grammar is None or not grammar.rows:
+        return None, grammar
+    mine = set(grammar.rows)
+    with_candidates = [-1] * len(order)
+    rest = []
+    for j, i in enumerate(order):
+        if i not in mine:
+            continue
+        p = ordered[j]
+        if (j < n_cut or j >= n_random) and not p.bad_words_token_ids and not p.allowed_token_ids:
+            with_candidates[j] = i
+        else:
+            rest.append(i)
+    masks = RowMasks(grammar.bitmask, with_candidates) if any(r >= 0 for r in with_candidates) else None
+    return masks, GrammarMask(grammar.bitmask, sorted(rest)) if rest else None
+
+
+def _part(masks: RowMasks | None, start: int, end: int) -> RowMasks | None:
+    """The masks of rows [start, end) in the sampler's order (None where none applies)."""
+    if masks is None or all(r < 0 for r in masks.rows[start:end]):
+        return None
+    return masks.select(list(range(start, end)))

@@ -182,7 +182,7 @@ class CpuKernels:
         lib.vlm_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float]
         lib.vlm_rotary_qk_bf16.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i64]
         lib.vlm_argmax_bf16.argtypes = [p, p, i64, i64]
-        lib.vlm_topk.argtypes = [p, i64, i64, p, i64, i64, i64, p, p]
+        lib.vlm_topk.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, i64, p]
         lib.vlm_topk.restype = None
         lib.vlm_rms_norm_heads_bf16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_float]
         for name in ("add_rms_norm_bf16", "rms_norm_heads_bf16", "rotary_qk_bf16", "argmax_bf16"):
@@ -258,18 +258,33 @@ class CpuKernels:
         self._lib.vlm_argmax_bf16(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
         return out.tolist()
 
-    def topk(self, x: torch.Tensor, rows: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self,
+        x: torch.Tensor,
+        rows: list[int],
+        k: int,
+        bitmask: torch.Tensor | None = None,
+        mask_rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest values of rows `rows` of bf16 or fp32 x [R, n] (each row contiguous, k <=
         n), as torch.topk's sorted=True orders them (NaN above +inf; among equal values the
-        earlier index first): values [len(rows), k] fp32, indices [len(rows), k] int64."""
+        earlier index first): values [len(rows), k] fp32, indices [len(rows), k] int64. bitmask
+        [B, ceil(n / 32)] int32 (structured outputs' masks, xgrammar's layout): output i takes
+        only the tokens row mask_rows[i] of it allows (-1: all); past them, -inf values."""
         assert x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.stride(1) == 1
         assert 0 < k <= x.shape[1]
         index = torch.tensor(rows, dtype=torch.int64)
         values = torch.empty(len(rows), k, dtype=torch.float32)
         indices = torch.empty(len(rows), k, dtype=torch.int64)
+        if bitmask is not None:
+            assert mask_rows is not None and len(mask_rows) == len(rows)
+            assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[1] * 32 >= x.shape[1]
+            masks = torch.tensor(mask_rows, dtype=torch.int64)
         self._lib.vlm_topk(
             x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), index.data_ptr(), len(rows), x.shape[1], k,
             values.data_ptr(), indices.data_ptr(),
+            0 if bitmask is None else bitmask.data_ptr(), 0 if bitmask is None else bitmask.stride(0),
+            0 if bitmask is None else masks.data_ptr(),
         )  # fmt: skip
         return values, indices
 

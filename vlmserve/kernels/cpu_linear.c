@@ -484,47 +484,70 @@ static inline void offer(candidates *c, int32_t key, int64_t index) {
     }
 }
 
+/* Whether token j is allowed by a bitmask row (bit j % 32 of word j / 32 set; no mask: all). */
+static inline int allowed(const int32_t *mask, int64_t j) { return !mask || ((uint32_t)mask[j >> 5] >> (j & 31)) & 1u; }
+
 /* x: rows of n values (bf16 when is_bf16, else fp32), row_stride elements apart; rows[i] the row
- * of output i (r of them); values [r, k] fp32 and indices [r, k] int64 out. k <= n. */
+ * of output i (r of them); values [r, k] fp32 and indices [r, k] int64 out. k <= n. With
+ * bitmask (words of 32 tokens, mask_stride words a row; structured outputs' masks), output i
+ * takes only the tokens allowed by bitmask row mask_rows[i] (-1: every token), as if the others
+ * were -inf; past the allowed tokens its values are -inf (index 0). A masked value's key is the
+ * least an int can hold, below every value's (-inf's included): it never enters. */
 void vlm_topk(const void *x, int64_t row_stride, int64_t is_bf16, const int64_t *rows, int64_t r, int64_t n, int64_t k,
-              float *values, int64_t *indices) {
+              float *values, int64_t *indices, const int32_t *bitmask, int64_t mask_stride, const int64_t *mask_rows) {
 #pragma omp parallel for schedule(dynamic, 1) if (r * n >= 262144)
     for (int64_t m = 0; m < r; m++) {
         candidates c = {malloc((size_t)(2 * k) * sizeof(ranked)), 0, k, 0, INT32_MIN};
+        const int32_t *mask = bitmask && mask_rows[m] >= 0 ? bitmask + mask_rows[m] * mask_stride : NULL;
         if (is_bf16) {
             const uint16_t *row = (const uint16_t *)x + rows[m] * row_stride;
             const int64_t n16 = n / 16 * 16;
+            const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                       16384, (int16_t)0x8000);
             for (int64_t j = 0; j < n16; j += 16) {
-                const __m256i keys = order_keys(_mm256_loadu_si256((const __m256i *)(row + j)));
+                __m256i keys = order_keys(_mm256_loadu_si256((const __m256i *)(row + j)));
+                if (mask) {
+                    const int16_t word = (int16_t)((uint32_t)mask[j >> 5] >> (j & 31));
+                    const __m256i off = _mm256_cmpeq_epi16(
+                        _mm256_and_si256(_mm256_set1_epi16(word), lane_bit), _mm256_setzero_si256());
+                    keys = _mm256_blendv_epi8(keys, _mm256_set1_epi16(INT16_MIN), off);
+                }
+                /* before k are kept, everything but a masked value enters */
                 const int16_t bar = c.full ? (int16_t)c.bar : INT16_MIN;
                 unsigned bits = (unsigned)_mm256_movemask_epi8(_mm256_cmpgt_epi16(keys, _mm256_set1_epi16(bar)));
-                if (!c.full) bits = 0xffffffffu;
                 while (bits) {
                     const int lane = __builtin_ctz(bits) / 2;
                     bits &= ~(3u << (2 * lane));
                     offer(&c, order_key(row[j + lane]), j + lane);
                 }
             }
-            for (int64_t j = n16; j < n; j++) offer(&c, order_key(row[j]), j);
+            for (int64_t j = n16; j < n; j++)
+                if (allowed(mask, j)) offer(&c, order_key(row[j]), j);
         } else {
             const uint32_t *row = (const uint32_t *)x + rows[m] * row_stride;
             const int64_t n8 = n / 8 * 8;
+            const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
             for (int64_t j = 0; j < n8; j += 8) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(row + j));
                 const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi32(0x7fffffff));
                 const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
-                const __m256i keys =
-                    _mm256_blendv_epi8(_mm256_sign_epi32(magnitude, v), _mm256_set1_epi32(INT32_MAX), nan);
+                __m256i keys = _mm256_blendv_epi8(_mm256_sign_epi32(magnitude, v), _mm256_set1_epi32(INT32_MAX), nan);
+                if (mask) {
+                    const int32_t byte = (int32_t)(((uint32_t)mask[j >> 5] >> (j & 31)) & 0xffu);
+                    const __m256i off = _mm256_cmpeq_epi32(
+                        _mm256_and_si256(_mm256_set1_epi32(byte), lane_bit), _mm256_setzero_si256());
+                    keys = _mm256_blendv_epi8(keys, _mm256_set1_epi32(INT32_MIN), off);
+                }
                 unsigned bits = (unsigned)_mm256_movemask_ps(
                     _mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(c.full ? c.bar : INT32_MIN))));
-                if (!c.full) bits = 0xffu;
                 while (bits) {
                     const int lane = __builtin_ctz(bits);
                     bits &= bits - 1;
                     offer(&c, order_key32(row[j + lane]), j + lane);
                 }
             }
-            for (int64_t j = n8; j < n; j++) offer(&c, order_key32(row[j]), j);
+            for (int64_t j = n8; j < n; j++)
+                if (allowed(mask, j)) offer(&c, order_key32(row[j]), j);
         }
         if (c.size > k) select_best(c.items, c.size, k);
         const int64_t size = c.size < k ? c.size : k;
@@ -534,6 +557,10 @@ void vlm_topk(const void *x, int64_t row_stride, int64_t is_bf16, const int64_t 
             indices[m * k + i] = j;
             values[m * k + i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[rows[m] * row_stride + j])
                                         : ((const float *)x)[rows[m] * row_stride + j];
+        }
+        for (int64_t i = size; i < k; i++) {
+            indices[m * k + i] = 0;
+            values[m * k + i] = -INFINITY;
         }
         free(c.items);
     }
