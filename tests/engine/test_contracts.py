@@ -8,6 +8,7 @@ import torch
 
 from tests.engine.helpers import make_request
 from vlmserve.engine import serial
+from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.contracts import (
     CachedRequestData,
     EngineCoreOutput,
@@ -152,7 +153,7 @@ def test_a_malformed_tensor_is_refused_not_misread() -> None:
 def test_a_real_schedule_is_plain_data_and_says_only_what_changed() -> None:
     """New requests come whole once; later steps carry only new block ids; a preempted request
     comes back with its whole new block list; finished ones are named for the runner to drop."""
-    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    kv = CacheCoordinator(KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=False))
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv)
     s.add_request(make_request("a", 6, max_tokens=20))
     s.add_request(make_request("b", 6, max_tokens=20, first_token=100))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.engine.helpers import encoder_inputs, make_request
+from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.contracts import EngineCoreEventType, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import RequestStatus
@@ -19,7 +20,7 @@ def make_scheduler(
     encoder_cache: int = 64,
 ) -> Scheduler:
     config = SchedulerConfig(max_seqs, budget, encoder_budget, encoder_cache)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
+    return Scheduler(config, CacheCoordinator(KVCacheManager(num_blocks, block_size, prefix_caching)))
 
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:

@@ -1,14 +1,15 @@
-"""State slots beside the paged KV (engine/state_cache.py through KVCacheManager), driven
-directly: a slot is taken with a request's first blocks and given back with them, a request
-that finds no slot takes nothing; prefix caching of a model with state reuses cached KV only up
-to a block whose end state is cached (saved where the prompt's last reusable block ends,
+"""The state cache group beside the paged KV (engine/state_cache.py through the CacheCoordinator),
+driven directly: a slot is taken with a request's first blocks and given back with them, a
+request that finds no slot takes nothing; prefix caching of a model with state reuses cached KV
+only up to a block whose end state is cached (saved where the prompt's last reusable block ends,
 committed once its step succeeded, evicted least recently used), and without cached-state slots
 not at all."""
 
 from __future__ import annotations
 
-from vlmserve.engine.kv_cache import KVCacheManager
+from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.request import Request
+from vlmserve.engine.state_cache import SlotGroupSpec, slot_group_specs
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
@@ -18,66 +19,79 @@ def request(request_id: str, num_tokens: int) -> Request:
     return Request(request_id, prompt, SamplingParams(max_tokens=4), frozenset(), 1 << 16)
 
 
+def caches(num_blocks: int, running: int, cached: int = 0, prefix: bool = True) -> CacheCoordinator:
+    return CacheCoordinator.build(num_blocks, 4, prefix, [SlotGroupSpec(100, running, cached)])
+
+
+def test_the_slot_groups_a_model_needs() -> None:
+    assert slot_group_specs(0, 8, True) == []  # paged KV alone
+    assert slot_group_specs(100, 8, True) == [SlotGroupSpec(100, 8, 8)]  # and as many for saved states
+    assert slot_group_specs(100, 8, False) == [SlotGroupSpec(100, 8, 0)]
+    assert SlotGroupSpec(100, 8, 8).bytes == 1600
+
+
 def test_a_slot_comes_with_the_first_blocks_and_goes_with_them() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4, num_state_slots=2)
+    kv = caches(8, running=2)
     assert kv.allocate_slots("a", 5) and kv.allocate_slots("b", 3)
-    assert (kv.state_slot("a"), kv.state_slot("b")) == (0, 1)
+    assert (kv.group_slots("a"), kv.group_slots("b")) == ([0], [1])
     assert kv.allocate_slots("a", 9)  # more blocks for a running request: the same slot
-    assert kv.state_slot("a") == 0 and kv.state_slots is not None and kv.state_slots.num_free == 0
+    assert kv.group_slots("a") == [0] and kv.groups[0].slots.num_free == 0
     # No slot left: refused, and no block taken either.
     free_blocks = kv.pool.num_free
     assert not kv.allocate_slots("c", 2)
     assert kv.pool.num_free == free_blocks and "c" not in kv.block_ids
     kv.free("a")  # finished, aborted or preempted alike
-    assert kv.allocate_slots("c", 2) and kv.state_slot("c") == 0
+    assert kv.allocate_slots("c", 2) and kv.group_slots("c") == [0]
     kv.free("b")
     kv.free("c")
-    assert kv.state_slots.num_free == 2 and kv.pool.num_free == 8
+    assert kv.groups[0].slots.num_free == 2 and kv.pool.num_free == 8
 
 
 def test_a_request_short_of_blocks_takes_no_slot() -> None:
-    kv = KVCacheManager(num_blocks=2, block_size=4, num_state_slots=2)
+    kv = caches(2, running=2)
     assert not kv.allocate_slots("a", 12)
-    assert kv.state_slots is not None and kv.state_slots.num_free == 2
+    assert kv.groups[0].slots.num_free == 2
 
 
 def test_no_prefix_reuse_with_state_slots_and_no_cached_states() -> None:
     """The KV of a cached prefix is useless without the recurrent state at its last token."""
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, num_state_slots=2)
+    kv = caches(8, running=2, cached=0, prefix=True)
     assert not kv.enable_prefix_caching
     first = request("a", 10)
     assert kv.allocate_slots("a", 10)
-    kv.cache_blocks(first, 10)
+    kv.step_succeeded(first, 10)
     kv.free("a")
     assert kv.find_cached_prefix(request("b", 10)) == []
 
 
-def test_a_model_without_state_has_no_pool() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4)
-    assert kv.state_slots is None and kv.allocate_slots("a", 5) and kv.state_slot("a") == -1
+def test_a_model_without_state_has_no_group() -> None:
+    kv = CacheCoordinator.build(8, 4, True)
+    assert kv.groups == [] and kv.allocate_slots("a", 5) and kv.group_slots("a") == []
 
 
-def _prefill_and_save(kv: KVCacheManager, req: Request) -> int | None:
+def _prefill_and_save(kv: CacheCoordinator, req: Request) -> int | None:
     """What the scheduler and runner do for a prompt: compute up to the save point, reserve a
     state slot there, then (the step succeeded) commit. Returns the reserved slot."""
-    save_at = kv.save_point(req)
+    save_at = kv.groups[0].save_point(req)
     assert kv.allocate_slots(req.request_id, req.num_tokens)
-    slot = kv.reserve_state_save(req)
-    kv.cache_blocks(req, save_at)
-    kv.cache_blocks(req, req.num_tokens)
-    return slot
+    assert kv.chunk_end(req, 0, req.num_tokens) == save_at  # a chunk ends at the save point
+    copies = kv.copies_after_step(req, save_at)
+    kv.step_succeeded(req, save_at)
+    kv.step_succeeded(req, req.num_tokens)
+    return copies[0][2] if copies else None
 
 
 def test_a_prefix_is_reused_only_up_to_a_block_whose_state_is_cached() -> None:
-    kv = KVCacheManager(num_blocks=16, block_size=4, num_state_slots=2, num_cached_states=2)
+    kv = caches(16, running=2, cached=2)
     assert kv.enable_prefix_caching
     a = request("a", 14)  # blocks [0, 4) [4, 8) [8, 12) full; the last a repeat could reuse ends at 12
-    assert kv.save_point(a) == 12
+    assert kv.groups[0].save_point(a) == 12
     assert _prefill_and_save(kv, a) == 2  # the cached-state slots follow the running ones
     kv.free("a")
-    # The same prompt: all three blocks, and the state at token 12.
+    # The same prompt: all three blocks, and the state at token 12 copied into its slot.
     again = request("again", 14)
-    assert len(kv.find_cached_prefix(again)) == 3 and kv.cached_state_slot(again, 3) == 2
+    assert len(kv.find_cached_prefix(again)) == 3
+    assert kv.allocate_slots("again", 14) and kv.copies_on_admission(again, 3) == [(0, 2, kv.group_slots("again")[0])]
     # A prompt sharing the first 10 tokens: blocks 0 and 1 are cached, but no state at 4 or 8.
     shorter = Request(
         "shorter",
@@ -88,16 +102,17 @@ def test_a_prefix_is_reused_only_up_to_a_block_whose_state_is_cached() -> None:
     )
     assert kv.find_cached_prefix(shorter) == []
     # A prompt exactly 12 tokens long saves at 8 (one token is always left to compute).
-    assert kv.save_point(request("twelve", 12)) == 8
+    assert kv.groups[0].save_point(request("twelve", 12)) == 8
 
 
 def test_a_save_becomes_an_entry_only_when_its_step_succeeded_and_entries_age_out() -> None:
-    kv = KVCacheManager(num_blocks=32, block_size=4, num_state_slots=2, num_cached_states=2)
-    assert kv.cached_states is not None
+    kv = caches(32, running=2, cached=2)
+    cached = kv.groups[0].cached
+    assert cached is not None
     a = request("a", 9)
-    assert kv.allocate_slots("a", 9) and kv.reserve_state_save(a) == 2
+    assert kv.allocate_slots("a", 9) and kv.copies_after_step(a, 8) == [(0, 0, 2)]
     kv.free("a")  # ended (aborted, preempted, failed) before its step was committed
-    assert not kv.cached_states.entries and kv.find_cached_prefix(request("a2", 9)) == []
+    assert not cached.entries and kv.find_cached_prefix(request("a2", 9)) == []
     # Three distinct prompts through two cached-state slots: the least recently used goes.
     prompts = [
         Request(
@@ -115,10 +130,12 @@ def test_a_save_becomes_an_entry_only_when_its_step_succeeded_and_entries_age_ou
         _prefill_and_save(kv, p)
         kv.free(p.request_id)
     # A hit on p0 (the scheduler takes its state) makes it the most recently used.
-    assert len(kv.find_cached_prefix(prompts[0])) == 2 and kv.cached_state_slot(prompts[0], 2) == 2
+    assert len(kv.find_cached_prefix(prompts[0])) == 2
+    assert kv.allocate_slots("p0", 9) and kv.copies_on_admission(prompts[0], 2)[0][1] == 2
+    kv.free("p0")
     _prefill_and_save(kv, prompts[2])  # evicts p1's state
     kv.free("p2")
     assert kv.find_cached_prefix(prompts[1]) == []
     assert len(kv.find_cached_prefix(prompts[0])) == 2 and len(kv.find_cached_prefix(prompts[2])) == 2
     # A state cached already is not saved twice.
-    assert kv.reserve_state_save(prompts[0]) is None
+    assert kv.allocate_slots("p0", 9) and kv.copies_after_step(prompts[0], 8) == []

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.model_runner import CachedRequestState
 from vlmserve.engine.structured_output import TokenBitmask, apply_token_bitmask
 from vlmserve.sampling_params import StructuredOutputsParams
 
@@ -155,22 +154,45 @@ def test_padded_vocabulary_ids_are_never_allowed(llm: LLM) -> None:
     assert not any(torch.isfinite(logits[0, eos]))  # eos only once the grammar may end
 
 
-def test_matcher_follows_the_output_when_a_step_is_undone(llm: LLM) -> None:
-    """The runner's matcher is rebuilt from the request's output wherever they disagree (a failed
-    step undone trims the output; a preempted request keeps both)."""
-    runner = llm.llm_engine.runner
-    spec = StructuredOutputsParams(regex=r"ab(c|d)e")
+def test_the_core_fills_each_steps_masks_once_and_its_matchers_take_only_steps_that_succeeded(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine core holds the matchers and fills a step's masks for the requests the step
+    samples (not for a prompt chunk that stops short, nor for a request without a grammar); a
+    token is accepted once its step succeeded, so a failed step leaves the matcher as it was."""
+    core = llm.llm_engine.core
     tokenizer = llm.get_tokenizer()
-    prompt = [1, 2, 3]
-    state = CachedRequestState(
-        "r", prompt + tokenizer.encode("ab"), 3, [], None, 0, SamplingParams(structured_outputs=spec), None, [], 0, []
-    )
-    (grammar,) = runner._grammar_states([state])
-    assert grammar is not None and grammar.num_accepted == len(tokenizer.encode("ab"))
-    del state.token_ids[3:]  # the step that produced "ab" undone
-    (grammar,) = runner._grammar_states([state])
-    assert grammar is not None and grammar.num_accepted == 0
-    assert grammar.matcher.accept_string("abde")
+    spec = StructuredOutputsParams(regex=r"ab(c|d)e")
+    prompt = tokenizer.encode("Spell it:")
+    steps = []
+    execute = core.executor.execute
+
+    def recording(step):  # type: ignore[no-untyped-def]
+        steps.append((list(step.num_scheduled_tokens), list(step.structured_output_request_ids), step.grammar_bitmask))
+        return execute(step)
+
+    monkeypatch.setattr(core.executor, "execute", recording)
+    core.add_request("g", llm.llm_engine.processor.process(prompt, []), SamplingParams(structured_outputs=spec))
+    core.add_request("plain", llm.llm_engine.processor.process(prompt, []), SamplingParams(max_tokens=2))
+    assert core.structured_outputs.matchers.keys() == {"g"}
+    outputs = core.step()
+    scheduled, with_grammar, bitmask = steps[-1]
+    assert scheduled == ["g", "plain"] and with_grammar == ["g"] and bitmask is not None and bitmask.shape[0] == 1
+    allowed = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().nonzero().flatten().tolist()
+    assert {tokenizer.decode([t]) for t in allowed} <= {
+        "a",
+        "ab",
+        "abc",
+        "abd",
+        "abce",
+        "abde",
+    }  # what may start "ab(c|d)e"
+    (g,) = [o for o in outputs if o.request_id == "g"]
+    assert core.structured_outputs.matchers["g"].num_accepted == len(g.new_token_ids) == 1
+    # A step that fails outside any one request (here: the executor raises) takes no token.
+    monkeypatch.setattr(core.executor, "execute", lambda step: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert core.step() == [] and "g" in core.take_failed()
+    assert core.structured_outputs.matchers == {}  # the reset forgot every request, matchers too
 
 
 def test_spec_travels_as_plain_data() -> None:

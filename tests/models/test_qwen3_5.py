@@ -266,7 +266,7 @@ def test_greedy_batched_and_alone_match_transformers_generate(tiny35_dir: Path, 
     for key, prompt in prompts.items():
         alone = run(engine, {key: prompt}, MAX_NEW)
         assert alone[key].outputs[0].token_ids == expected[key]
-    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
+    assert engine.kv.groups[0].slots.num_free == engine.kv.groups[0].slots.num_slots
 
 
 def test_a_batch_of_16_mixed_lengths_gives_each_its_tokens_alone(tiny35_dir: Path) -> None:
@@ -304,7 +304,7 @@ def test_a_preempted_request_rebuilds_its_state_and_gives_transformers_tokens(  
         ids, vision = hf_inputs(tiny35_dir, texts[key], [pictures[key]])
         assert ids == outputs[key].prompt_token_ids
         assert_same_tokens_and_logprobs(outputs[key], hf_greedy_with_logprobs(hf35_model, ids, vision, 12))
-    assert engine.kv.state_slots is not None and engine.kv.state_slots.num_free == engine.kv.state_slots.num_slots
+    assert engine.kv.groups[0].slots.num_free == engine.kv.groups[0].slots.num_slots
 
 
 @pytest.mark.parity
@@ -356,7 +356,7 @@ def test_cached_kv_without_the_state_at_its_end_is_not_reused(tiny35_dir: Path, 
     shared = next(i for i, (x, y) in enumerate(zip(ids, first_ids, strict=False)) if x != y)
     first_save = (len(first_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert BLOCK_SIZE <= shared < first_save, "full blocks of KV are cached, but no state at their end"
-    assert engine.kv.block_hashes(_request(prompt), 1)[0] in engine.kv.pool.cached  # its KV is there
+    assert engine.kv.kv.block_hashes(_request(prompt), 1)[0] in engine.kv.pool.cached  # its KV is there
     out = run(engine, {"second": prompt}, max_tokens=6)["second"]
     assert out.num_cached_tokens == 0
     assert_same_tokens_and_logprobs(out, hf_greedy_with_logprobs(hf35_model, ids, vision, 6))
@@ -473,6 +473,6 @@ def test_a_failed_step_fails_its_requests_frees_their_state_and_the_engine_goes_
     outputs = llm.generate(prompts, params)
     assert [(o.finished, o.outputs[0].finish_reason) for o in outputs] == [(True, "abort")] * 2
     engine = llm.llm_engine
-    slots = engine.kv.state_slots
-    assert slots is not None and slots.num_free == slots.num_slots and engine.kv.usage == 0.0
+    slots = engine.kv.groups[0].slots
+    assert slots.num_free == slots.num_slots and engine.kv.usage == 0.0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone

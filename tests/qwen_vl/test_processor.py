@@ -96,7 +96,7 @@ def test_positions(qwen_vl_tokenizer: QwenVLTokenizer, images: dict[str, Path]) 
     # also when a preempted request recomputes them together with its prompt: the model's rule,
     # applied by the runner past the prompt's own positions.
     from vlmserve.engine.contracts import NewRequestData
-    from vlmserve.engine.model_runner import CachedRequestState
+    from vlmserve.engine.request_state import CachedRequestState
     from vlmserve.families.qwen_vl.model import QWenLMHeadModel
     from vlmserve.sampling_params import SamplingParams
 

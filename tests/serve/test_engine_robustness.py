@@ -275,15 +275,15 @@ def test_an_update_that_raises_fails_only_that_request_and_frees_its_blocks(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     alone = _alone(core)
-    real = core.kv.cache_blocks
+    real = core.kv.step_succeeded
 
-    def cache_blocks(request, num_computed_tokens):  # type: ignore[no-untyped-def]
+    def step_succeeded(request, num_computed_tokens):  # type: ignore[no-untyped-def]
         # The poisoned sample's update raises once it has two tokens (its blocks are held).
         if request.params.seed == POISON_SEED and len(request.output_token_ids) >= 2:
             raise RuntimeError("injected update failure")
         return real(request, num_computed_tokens)
 
-    monkeypatch.setattr(core.kv, "cache_blocks", cache_blocks)
+    monkeypatch.setattr(core.kv, "step_succeeded", step_succeeded)
     push = Push()
     loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
     requests = _requests()

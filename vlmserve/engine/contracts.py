@@ -30,7 +30,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
     # eos and stop_token_ids: what the sampler masks while the output is shorter than min_tokens.
     all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    state_slot: int = -1  # its per-request state's slot (state_cache.py); -1: the model has none
+    # Its slot in each cache group of fixed-size per-request entries (engine/cache_coordinator.py:
+    # the linear-attention layers' state); empty for a model with paged KV alone.
+    group_slots: list[int] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -41,7 +43,7 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     resumed_from_preemption: bool
     new_block_ids: list[int]
     num_computed_tokens: int
-    state_slot: int = -1  # a new one after a preemption
+    group_slots: list[int] = msgspec.field(default_factory=list)  # new ones after a preemption
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -55,11 +57,16 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     free_encoder_hashes: list[str] = msgspec.field(default_factory=list)
     # Requests that ended since the last step: the runner forgets them.
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
-    # Per-request state (SequenceState layers) copied (from slot, to slot) before the step's
-    # forward (a prefix hit's cached state into its request's slot) and after it (a state saved
-    # for prefix caching where a chunk ended at a block boundary).
-    load_states: list[tuple[int, int]] = msgspec.field(default_factory=list)
-    save_states: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # Copies within a cache group of fixed-size entries, (group, from slot, to slot), before the
+    # step's forward (a prefix hit's cached state into its request's slot) and after it (a state
+    # saved for prefix caching where a chunk ended at a block boundary).
+    copies_before_forward: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    copies_after_forward: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    # Structured outputs: the requests sampled this step under a grammar, and their masks, filled
+    # once by the engine core (row i: structured_output_request_ids[i]; xgrammar's bitmask
+    # [rows, ceil(vocab / 32)] int32, a set bit allowing its token). Every rank applies the same.
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

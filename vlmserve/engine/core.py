@@ -9,17 +9,17 @@ import logging
 import torch
 
 from vlmserve.attention import select_backend
+from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.executor import ExecutorError, InProcessExecutor, make_executor
-from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.memory import MemoryPlan, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
-from vlmserve.engine.structured_output import GrammarCompiler
-from vlmserve.engine.worker import RankInfo
+from vlmserve.engine.structured_output import GrammarCompiler, StructuredOutputs
+from vlmserve.engine.worker_messages import RankInfo
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -39,15 +39,14 @@ class EngineCore:
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         self.backend = select_backend(self.device, config.attention_backend, decode_workspace_tokens=self.max_model_len)
-        # Here, structured outputs' specs are checked when a request comes; the runner's copy
-        # (this one in-process, each rank's own in a rank process) makes their matchers.
+        # Structured outputs' grammars compile when a request comes; the matchers live here and
+        # fill each step's masks once, for every rank.
         self.grammars = GrammarCompiler(
             self._load_vocabulary, model.model_config.text.vocab_size, sorted(model.eos_token_ids)
         )
+        self.structured_outputs = StructuredOutputs(self.grammars)
         # The model and its runner: in this process, or on tensor_parallel_size rank processes.
-        self.executor = make_executor(
-            config, model.model_dir, sorted(model.eos_token_ids), self.device, self.backend, self.grammars
-        )
+        self.executor = make_executor(config, model.model_dir, self.device, self.backend)
         # The largest image or video a prompt may hold: the encoder must take it in one step.
         limits = model.processing.max_items_per_prompt()
         per_item = {m: n for m, n in model.processing.max_tokens_per_item().items() if limits.get(m, 0) > 0}
@@ -61,19 +60,14 @@ class EngineCore:
         )
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
-        num_state_slots, num_cached_states = self._state_slots()
-        self.kv = KVCacheManager(
-            self.memory_plan.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            num_state_slots,
-            num_cached_states,
+        self.kv = CacheCoordinator.build(
+            self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching, self.slot_groups
         )
         graphs = self._use_cuda_graphs()
         # With CUDA graphs, one block more than the scheduler hands out: padded decode rows' scratch.
-        self.executor.bind_kv_cache(self.kv.pool.num_blocks + graphs, self.kv.block_size)
-        if num_state_slots:
-            self.executor.bind_state_cache(num_state_slots + num_cached_states)
+        self.executor.bind_caches(
+            self.kv.pool.num_blocks + graphs, self.kv.block_size, [g.num_slots for g in self.slot_groups]
+        )
         if graphs:
             self._capture_decode_graphs()
         self.scheduler = Scheduler(scheduler_config, self.kv, log_stats)
@@ -102,14 +96,14 @@ class EngineCore:
 
     def _use_cuda_graphs(self) -> bool:
         """Decode steps from CUDA graphs: on CUDA, with a backend reading the step's layout from
-        device tensors (triton), for models without per-request state, in this process (not yet
-        in rank processes); off with enforce_eager."""
+        device tensors (triton), for models with paged KV alone (no slot groups), in this process
+        (not yet in rank processes); off with enforce_eager."""
         return (
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not self.config.enforce_eager
             and isinstance(self.executor, InProcessExecutor)
-            and not self.executor.has_state_layers
+            and not self.slot_groups
         )
 
     def _capture_decode_graphs(self) -> None:
@@ -121,14 +115,6 @@ class EngineCore:
             logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
             self.runner.decode_graphs = None
             torch.cuda.synchronize(self.device)
-
-    def _state_slots(self) -> tuple[int, int]:
-        """A model with per-request state: one slot per running request, and with prefix caching
-        as many again for states saved at block boundaries (kv_cache.py). (0, 0) without state."""
-        if not self.executor.has_state_layers:
-            return 0, 0
-        n = self.config.max_num_seqs
-        return n, n if self.config.enable_prefix_caching else 0
 
     def _plan_memory(self, sched: SchedulerConfig, largest_modality: str, largest_item: int) -> MemoryPlan:
         """Each rank's plan from its own weights, profile peak and budget; the KV cache every rank
@@ -148,6 +134,10 @@ class EngineCore:
             ranks = self.executor.plan(
                 dummy, sched.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, config.block_size
             )
+        # Besides the paged KV, the fixed-size per-request memory the model's layers declare.
+        self.slot_groups = CacheCoordinator.slot_groups(
+            max(rank.slot_bytes for rank in ranks), config.max_num_seqs, config.enable_prefix_caching
+        )
         return min((self._plan_rank(rank, sched) for rank in ranks), key=lambda plan: plan.num_blocks)
 
     def _plan_rank(self, rank: RankInfo, sched: SchedulerConfig) -> MemoryPlan:
@@ -160,14 +150,15 @@ class EngineCore:
             sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
         )
         per_seq = -(-self.max_model_len // config.block_size)
-        state_bytes = rank.state_bytes_per_slot * sum(self._state_slots())
+        slot_groups = CacheCoordinator.slot_groups(rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching)
+        slot_bytes = sum(group.bytes for group in slot_groups)
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
                 raise ValueError(
                     f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
                 )
-            budget = weights + encoder_cache + state_bytes + fixed * block_bytes
+            budget = weights + encoder_cache + slot_bytes + fixed * block_bytes
             activations, min_blocks, profiled = 0, 1, False
         else:
             activations = rank.activation_bytes
@@ -183,7 +174,7 @@ class EngineCore:
             min_blocks=min_blocks,
             max_useful_blocks=per_seq * config.max_num_seqs,
             profiled=profiled,
-            state_cache_bytes=state_bytes,
+            state_cache_bytes=slot_bytes,
         )
 
     def _load_vocabulary(self) -> list[bytes]:
@@ -198,15 +189,18 @@ class EngineCore:
         """One sample (n == 1); the front end fans out n > 1. ValueError: a grammar that does not compile."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # cached: the runner's matcher takes it from there
+        spec = params.structured_outputs
+        matcher = None if spec is None else self.grammars.matcher(spec)  # compiled (cached) before it is queued
         request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(request)
+        if matcher is not None:
+            self.structured_outputs.add(request_id, matcher)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Stop requests now (aborted, or a stop string found by the front end); frees everything."""
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, status)
+        self.structured_outputs.remove(request_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks and encoder outputs that no running request holds."""
@@ -226,6 +220,7 @@ class EngineCore:
         try:
             scheduler_output = self.scheduler.schedule()
             self._count_prompt_tokens(scheduler_output)
+            self._fill_grammar_masks(scheduler_output)
             runner_output = self._execute(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         except ExecutorError:
@@ -234,12 +229,31 @@ class EngineCore:
             logger.exception("an engine step failed outside any one request; failing every request in flight")
             for request_id in self.scheduler.reset():
                 self.failed[request_id] = "the engine's state was reset after an error"
+            self.structured_outputs.remove(list(self.structured_outputs.matchers))
             self.executor.reset()
             return []
         for request_id in self.scheduler.take_failed():
             self.failed[request_id] = "updating this request raised"
+        for output in outputs:
+            self.structured_outputs.accept(output.request_id, output.new_token_ids)
+        self.structured_outputs.remove(
+            [o.request_id for o in outputs if o.finish_reason is not None] + list(self.failed)
+        )
         self.num_generation_tokens += sum(len(output.new_token_ids) for output in outputs)
         return outputs
+
+    def _fill_grammar_masks(self, step: SchedulerOutput) -> None:
+        """The masks of the requests this step samples under a grammar (those whose known tokens
+        it computes to the end), into the step: filled once, here, for every rank."""
+        if not self.structured_outputs.matchers:
+            return
+        requests = self.scheduler.requests
+        sampled = [
+            request_id
+            for request_id, n in step.num_scheduled_tokens.items()
+            if requests[request_id].num_computed_tokens + n == requests[request_id].num_tokens
+        ]
+        step.structured_output_request_ids, step.grammar_bitmask = self.structured_outputs.fill(sampled)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. If it raises, the step is undone and its requests run one at a time:

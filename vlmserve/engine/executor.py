@@ -27,27 +27,21 @@ from vlmserve.engine import serial
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.contracts import SchedulerOutput
 from vlmserve.engine.model_runner import ModelRunner
-from vlmserve.engine.structured_output import GrammarCompiler
-from vlmserve.engine.worker import (
-    BindKVCache,
-    BindStateCache,
+from vlmserve.engine.step_isolation import execute_or_isolate
+from vlmserve.engine.worker import RankSpec, Worker, spawn_ranks, stop_ranks, worker_setup_json
+from vlmserve.engine.worker_messages import (
+    BindCaches,
     DigestRequests,
     Execute,
     FreeEncoderOutputs,
     Plan,
     RankInfo,
-    RankSpec,
     Reply,
     Reset,
     Shutdown,
     StepResult,
-    Worker,
     WorkerCall,
-    execute_or_isolate,
     reply_decoder,
-    spawn_ranks,
-    stop_ranks,
-    worker_setup_json,
 )
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
@@ -71,16 +65,13 @@ class Executor(Protocol):
         num_seqs: int = 0,
         block_size: int = 0,
     ) -> list[RankInfo]:
-        """Each rank's weights, KV bytes per token, state bytes per slot and budget; with dummy
+        """Each rank's weights, KV bytes per token, slot bytes and budget; with dummy
         items (the worst case the limits admit), each rank's profile-step peak too."""
         ...
 
-    @property
-    def has_state_layers(self) -> bool: ...
-
-    def bind_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
-
-    def bind_state_cache(self, num_slots: int) -> None: ...
+    def bind_caches(self, num_blocks: int, block_size: int, group_slots: list[int]) -> None:
+        """The paged KV's blocks and each slot group's slots, on every rank."""
+        ...
 
     def execute(self, step: SchedulerOutput) -> StepResult: ...
 
@@ -96,16 +87,8 @@ class InProcessExecutor:
 
     tensor_parallel_size = 1
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_dir: Path,
-        eos_token_ids: list[int],
-        device: torch.device,
-        backend: AttentionBackend,
-        grammars: GrammarCompiler,
-    ) -> None:
-        self.worker = Worker(config, model_dir, eos_token_ids, device, backend, grammars)
+    def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device, backend: AttentionBackend) -> None:
+        self.worker = Worker(config, model_dir, device, backend)
         self.model: VLModel = self.worker.model
         self.runner: ModelRunner = self.worker.runner
 
@@ -121,15 +104,8 @@ class InProcessExecutor:
         call = Plan(profile, dummy_items or [], num_tokens, max_model_len, num_seqs, block_size)
         return [self.worker.plan(call)]
 
-    @property
-    def has_state_layers(self) -> bool:
-        return bool(self.runner.state_layers)
-
-    def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner.bind_kv_cache(num_blocks, block_size)
-
-    def bind_state_cache(self, num_slots: int) -> None:
-        self.runner.bind_state_cache(num_slots)
+    def bind_caches(self, num_blocks: int, block_size: int, group_slots: list[int]) -> None:
+        self.runner.bind_caches(num_blocks, block_size, group_slots)
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         return execute_or_isolate(self.runner, step)
@@ -165,7 +141,7 @@ def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
 class MultiprocExecutor:
     """This node's ranks as processes; rank 0's pipe carries the calls and the replies."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: list[int], device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device) -> None:
         check_tensor_parallel(config, device)
         self.tensor_parallel_size = size = config.tensor_parallel_size
         local = size // config.nnodes
@@ -173,7 +149,7 @@ class MultiprocExecutor:
         # Rank 0 is on node 0, with the engine core; other nodes' ranks join by `vlmserve worker`.
         self._conn, rank0_end = multiprocessing.get_context("spawn").Pipe()
         threads = max(1, torch.get_num_threads() // local)
-        setup = worker_setup_json(config, eos_token_ids)
+        setup = worker_setup_json(config)
         specs = [
             RankSpec(
                 rank=i,
@@ -202,7 +178,6 @@ class MultiprocExecutor:
         rank0_end.close()  # rank 0 holds it now: its death closes the pipe
         # Stopped with the engine, or when this object goes (an LLM dropped without shutdown).
         self._finalizer = weakref.finalize(self, _stop, self._conn, self.processes, True)
-        self._state_layers: bool | None = None
         self._failure = ""  # why the ranks were stopped, once they were
         self._wait_reply("starting")
 
@@ -258,22 +233,10 @@ class MultiprocExecutor:
         block_size: int = 0,
     ) -> list[RankInfo]:
         call = Plan(dummy_items is not None, dummy_items or [], num_tokens, max_model_len, num_seqs, block_size)
-        ranks = self._call(call, "planning memory").ranks
-        self._state_layers = any(r.state_bytes_per_slot for r in ranks)
-        return ranks
+        return self._call(call, "planning memory").ranks
 
-    @property
-    def has_state_layers(self) -> bool:
-        if self._state_layers is None:
-            self.plan(None)
-        assert self._state_layers is not None
-        return self._state_layers
-
-    def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._call(BindKVCache(num_blocks, block_size), "binding the KV cache")
-
-    def bind_state_cache(self, num_slots: int) -> None:
-        self._call(BindStateCache(num_slots), "binding the state cache")
+    def bind_caches(self, num_blocks: int, block_size: int, group_slots: list[int]) -> None:
+        self._call(BindCaches(num_blocks, block_size, group_slots), "binding the caches")
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         result = self._call(Execute(step), "executing a step").step
@@ -313,14 +276,9 @@ def _stop(
 
 
 def make_executor(
-    config: EngineConfig,
-    model_dir: Path,
-    eos_token_ids: list[int],
-    device: torch.device,
-    backend: AttentionBackend,
-    grammars: GrammarCompiler,
+    config: EngineConfig, model_dir: Path, device: torch.device, backend: AttentionBackend
 ) -> InProcessExecutor | MultiprocExecutor:
-    """`backend` and `grammars`: the engine core's, shared in-process (each rank makes its own)."""
+    """`backend`: the engine core's, shared in-process (each rank makes its own)."""
     if config.tensor_parallel_size == 1:
-        return InProcessExecutor(config, model_dir, eos_token_ids, device, backend, grammars)
-    return MultiprocExecutor(config, model_dir, eos_token_ids, device)
+        return InProcessExecutor(config, model_dir, device, backend)
+    return MultiprocExecutor(config, model_dir, device)

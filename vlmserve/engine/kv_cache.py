@@ -9,12 +9,8 @@ ids with different pictures therefore hash differently and never share KV. A fre
 its hash and contents until it is reused (least recently freed first), so a later request whose
 prompt starts the same way picks the blocks up instead of recomputing them.
 
-A model with per-request state (linear-attention layers) also takes a state slot per running
-request (state_cache.py), with its first blocks and freed with them. Cached KV is of no use to it
-without the recurrent state at the same token, so its prefix caching keeps states too: where a
-prompt's last full block that a repeat could reuse ends (save_point), the scheduler ends a chunk
-and the runner copies the request's state into a cached-state slot keyed by that block's hash.
-A later request reuses cached blocks only up to the last one whose state is cached.
+This is the cache group of full-attention layers; other kinds of per-request memory are groups
+of their own beside it (engine/cache_coordinator.py).
 """
 
 from __future__ import annotations
@@ -22,10 +18,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmserve.engine.request import Request
-from vlmserve.engine.state_cache import CachedStatePool, StateSlotPool
 
 
 @dataclass
@@ -108,25 +104,10 @@ def hash_block(parent: bytes, token_ids: list[int], mm_keys: tuple[tuple[str, in
 
 
 class KVCacheManager:
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool = True,
-        num_state_slots: int = 0,
-        num_cached_states: int = 0,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
-        # States saved at block boundaries, in slots num_state_slots.. (a model with state only).
-        self.cached_states = (
-            CachedStatePool(num_state_slots, num_cached_states) if num_state_slots and num_cached_states else None
-        )
-        # NOTE: never reuse KV without the matching state: with state slots, only with cached states.
-        self.enable_prefix_caching = enable_prefix_caching and (
-            self.state_slots is None or self.cached_states is not None
-        )
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
@@ -149,9 +130,9 @@ class KVCacheManager:
             hashes.append(hash_block(parent, request.token_ids(start, end), mm_keys))
         return hashes[:num_blocks]
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks matching the start of the request. At least one token is always left
-        to compute, so that the last token's logits exist."""
+    def lookup_prefix(self, request: Request) -> list[int]:
+        """Cached blocks matching the start of the request. At least one token is always left to
+        compute, so that the last token's logits exist."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -161,68 +142,46 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        if self.cached_states is not None:
-            # Only as far as a block whose end state is cached: the rest is recomputed.
-            hashes = request.block_hashes
-            while hits and not self.cached_states.has(hashes[len(hits) - 1]):
-                hits.pop()
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
-    def cached_state_slot(self, request: Request, num_blocks: int) -> int:
-        """The cached state at the end of the request's first `num_blocks` blocks (a hit)."""
-        assert self.cached_states is not None and num_blocks > 0
-        return self.cached_states.lookup(self.block_hashes(request, num_blocks)[-1])
+    def record_prefix_query(self, request: Request, num_hit_blocks: int) -> None:
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_blocks * self.block_size
 
-    def save_point(self, request: Request) -> int:
-        """Where a model with state saves it for prefix caching: the end of the prompt's last full
-        block that a repeat of the prompt could reuse (one token is always left to compute);
-        0 for none."""
-        if self.cached_states is None:
-            return 0
-        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """lookup_prefix, counted in the prefix-cache statistics."""
+        hits = self.lookup_prefix(request)
+        self.record_prefix_query(request, len(hits))
+        return hits
 
-    def reserve_state_save(self, request: Request) -> int | None:
-        """A cached-state slot for the state at the request's save point, unless that state is
-        cached already or every slot is being written."""
-        assert self.cached_states is not None
-        num_blocks = self.save_point(request) // self.block_size
-        block_hash = self.block_hashes(request, num_blocks)[-1]
-        if self.cached_states.has(block_hash) or request.request_id in self.cached_states.pending:
-            return None
-        return self.cached_states.reserve(request.request_id, block_hash)
-
-    def allocate_slots(self, request_id: str, total_tokens: int, prefix_blocks: list[int] = ()) -> bool:  # type: ignore[assignment]
-        """Make room for the request's first `total_tokens` tokens, starting from `prefix_blocks`
-        (a prefix-cache hit) if it holds none yet. False, and nothing taken, if the pool cannot
-        supply the missing blocks."""
+    def can_allocate(self, request_id: str, total_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
+        """Whether allocate_slots(request_id, total_tokens, prefix_blocks) would succeed."""
         blocks = self.block_ids.get(request_id, [])
         have = len(blocks) or len(prefix_blocks)
         missing = max(0, self.blocks_needed(total_tokens) - have)
         # Hit blocks sitting in the free list stop being free once touched.
         reclaimed = sum(1 for b in prefix_blocks if self.pool.blocks[b].ref_cnt == 0) if not blocks else 0
-        if missing + reclaimed > self.pool.num_free:
+        return missing + reclaimed <= self.pool.num_free
+
+    def allocate_slots(self, request_id: str, total_tokens: int, prefix_blocks: Sequence[int] = ()) -> bool:
+        """Make room for the request's first `total_tokens` tokens, starting from `prefix_blocks`
+        (a prefix-cache hit) if it holds none yet. False, and nothing taken, if the pool cannot
+        supply the missing blocks."""
+        if not self.can_allocate(request_id, total_tokens, prefix_blocks):
             return False
-        if not blocks and self.state_slots is not None:
-            if not self.state_slots.num_free:
-                return False
-            self.state_slots.allocate(request_id)
+        blocks = self.block_ids.get(request_id, [])
         if not blocks and prefix_blocks:
             self.pool.touch(list(prefix_blocks))
             blocks = list(prefix_blocks)
             self._num_cached_blocks[request_id] = len(blocks)
-        blocks.extend(self.pool.allocate(missing))
+        blocks.extend(self.pool.allocate(max(0, self.blocks_needed(total_tokens) - len(blocks))))
         self.block_ids[request_id] = blocks
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full (their KV is computed), and the state
-        saved this step, if any."""
+        """Register the request's blocks that became full (their KV is computed)."""
         if not self.enable_prefix_caching:
             return
-        if self.cached_states is not None and request.request_id in self.cached_states.pending:
-            self.cached_states.commit(request.request_id)
         full = num_computed_tokens // self.block_size
         done = self._num_cached_blocks.get(request.request_id, 0)
         if full <= done:
@@ -235,10 +194,6 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         blocks = self.block_ids.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
-        if self.state_slots is not None:
-            self.state_slots.free(request_id)
-        if self.cached_states is not None:
-            self.cached_states.release(request_id)
         if blocks:
             # Tail first: the start of a prompt is the part other requests most likely share,
             # so it should be the last to be evicted.
@@ -249,21 +204,10 @@ class KVCacheManager:
         self.pool = BlockPool(self.pool.num_blocks)
         self.block_ids.clear()
         self._num_cached_blocks.clear()
-        if self.state_slots is not None:
-            self.state_slots = StateSlotPool(self.state_slots.num_slots)
-        if self.cached_states is not None:
-            assert self.state_slots is not None
-            self.cached_states = CachedStatePool(self.state_slots.num_slots, self.cached_states.num_entries)
 
     def forget_cached(self) -> None:
-        """Drop the cached contents of every block nobody holds, and every cached state."""
+        """Drop the cached contents of every block nobody holds."""
         self.pool.forget_free_blocks()
-        if self.cached_states is not None:
-            self.cached_states.clear()
-
-    def state_slot(self, request_id: str) -> int:
-        """The request's state slot; -1 for a model without per-request state."""
-        return -1 if self.state_slots is None else self.state_slots.slot_of[request_id]
 
     def slot(self, request_id: str, token_index: int) -> int:
         blocks = self.block_ids[request_id]

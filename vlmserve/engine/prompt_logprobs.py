@@ -44,11 +44,14 @@ class PromptLogprobsRows:
             self.counts.append(count)
             self.places.append((buffer, t))
 
-    def compute(self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """hidden [num_tokens, hidden_size]: the step's hidden states. Fills the buffers."""
-        for lo in range(0, len(self.rows), ROWS_PER_PASS):
+    def compute(
+        self, hidden: torch.Tensor, rows: list[int], compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """hidden: the step's hidden states, where self.rows are `rows` (the forward may return
+        only the rows the step uses). Fills the buffers."""
+        for lo in range(0, len(rows), ROWS_PER_PASS):
             hi = lo + ROWS_PER_PASS
-            logits = compute_logits(hidden[self.rows[lo:hi]]).float()  # [<= ROWS_PER_PASS, vocab]
+            logits = compute_logits(hidden[rows[lo:hi]]).float()  # [<= ROWS_PER_PASS, vocab]
             infos = token_logprobs(logits, self.targets[lo:hi], list(self.counts[lo:hi]))
             for (buffer, t), info in zip(self.places[lo:hi], infos, strict=True):
                 buffer[t] = info

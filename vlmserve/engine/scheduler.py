@@ -10,8 +10,9 @@ holding any of its placeholders is scheduled, and its encoder output is kept unt
 them is computed. A chunk stops short of an image that cannot be encoded this step (the
 per-step encoder budget is spent, or the encoder cache is full of images in use).
 
-A model with per-request state saves it for prefix caching where the prompt's last reusable full
-block ends (KVCacheManager.save_point): a chunk that would cross that point ends there.
+The KV cache and any other kind of per-request memory (cache groups) answer through one
+CacheCoordinator: where a prompt may start from cached entries, whether a request may grow, where
+a chunk must end, and what to copy within a group around a step's forward.
 
 When the KV pool runs dry the newest running request is preempted: its blocks are freed and it
 is recomputed later (prompt and generated tokens, from whatever prefix is still cached).
@@ -23,6 +24,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.contracts import (
     CachedRequestData,
     EngineCoreEventType,
@@ -32,7 +34,6 @@ from vlmserve.engine.contracts import (
     SchedulerOutput,
 )
 from vlmserve.engine.encoder_cache import EncoderCacheManager
-from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, log_stats: bool = False) -> None:
+    def __init__(self, config: SchedulerConfig, kv: CacheCoordinator, log_stats: bool = False) -> None:
         self.config = config
         self.kv = kv
         # Record each request's events (queued, scheduled, preempted) for the server's metrics.
@@ -191,10 +192,7 @@ class Scheduler:
             n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, budget), encoder_budget)
             if n == 0 or not self.kv.allocate_slots(request.request_id, start + n, prefix):
                 break
-            if prefix and self.kv.cached_states is not None:
-                # The state at the end of the hit, into the request's own slot.
-                source = self.kv.cached_state_slot(request, len(prefix))
-                out.load_states.append((source, self.kv.state_slot(request.request_id)))
+            out.copies_before_forward += self.kv.copies_on_admission(request, len(prefix))
             self.waiting.popleft()
             request.num_computed_tokens = start
             request.num_cached_tokens = start
@@ -210,11 +208,9 @@ class Scheduler:
         return out
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
-        """The most tokens to compute from `start`: the rest, within the budget, ending at the
-        state's save point if it lies inside."""
-        n = min(request.num_tokens - start, budget)
-        save_at = self.kv.save_point(request)
-        return save_at - start if start < save_at < start + n else n
+        """The most tokens to compute from `start`: the rest, within the budget, as far as the
+        caches let one chunk go."""
+        return self.kv.chunk_end(request, start, min(request.num_tokens - start, budget))
 
     def _fit_encoder(self, request: Request, start: int, n: int, encoder_budget: int) -> tuple[int, int]:
         """Shorten [start, start + n) to end before the first image that cannot be encoded
@@ -251,7 +247,7 @@ class Scheduler:
                     block_ids=list(block_ids),
                     num_computed_tokens=request.num_computed_tokens,
                     all_stop_token_ids=sorted(request.all_stop_token_ids),
-                    state_slot=self.kv.state_slot(request_id),
+                    group_slots=self.kv.group_slots(request_id),
                 )
             )
             request.sent_to_runner = True
@@ -263,15 +259,12 @@ class Scheduler:
                     resumed_from_preemption=resumed,
                     new_block_ids=list(block_ids if resumed else block_ids[request.num_sent_blocks :]),
                     num_computed_tokens=request.num_computed_tokens,
-                    state_slot=self.kv.state_slot(request_id),
+                    group_slots=self.kv.group_slots(request_id),
                 )
             )
         request.num_sent_blocks = len(block_ids)
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
-        if self.kv.enable_prefix_caching and end == self.kv.save_point(request) > 0:
-            slot = self.kv.reserve_state_save(request)
-            if slot is not None:
-                out.save_states.append((self.kv.state_slot(request_id), slot))
+        out.copies_after_forward += self.kv.copies_after_step(request, end)
         for index, item in enumerate(request.mm_items):
             # Acquire every image this chunk holds placeholders of; encode those not cached.
             in_chunk = item.offset < end and item.end > start
@@ -320,7 +313,7 @@ class Scheduler:
     def _update_request(self, request: Request, n: int, result: ModelRunnerOutput) -> EngineCoreOutput | None:
         request_id = request.request_id
         request.num_computed_tokens += n
-        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self.kv.step_succeeded(request, request.num_computed_tokens)
         self._release_encoder_outputs(request, upto=request.num_computed_tokens)
         token = result.sampled_token_ids.get(request_id)
         if token is None:

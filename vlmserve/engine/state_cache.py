@@ -1,12 +1,49 @@
-"""State slots: the per-request memory of fixed size a model with SequenceState layers needs
-beside its paged KV (vlmserve.attention.state). A running request holds one slot, taken when it
-is admitted (or resumed after a preemption) and given back when it is preempted, finishes or is
-aborted; a resumed request recomputes its state from its tokens. The pool holds max_num_seqs
-slots (memory planning counts their bytes), so a running request always finds one."""
+"""The state cache group: the per-request memory of fixed size a model with SequenceState layers
+(linear attention: vlmserve.attention.state) needs beside its paged KV, as one of the cache
+groups behind engine/cache_coordinator.py.
+
+A running request holds one slot, taken with its first KV blocks (when it is admitted, or
+resumed after a preemption) and given back with them when it is preempted, finishes or is
+aborted; a resumed request recomputes its state from its tokens. The group holds max_num_seqs
+such slots (memory planning counts their bytes), so a running request always finds one.
+
+Cached KV is of no use to such a model without the recurrent state at the same token, so its
+prefix caching keeps states too: where a prompt's last full block that a repeat could reuse ends
+(save_point), a chunk ends and the runner copies the request's state into a cached-state slot
+keyed by that block's hash; a later request reuses cached blocks only up to the last one whose
+state is cached, and starts from a copy of that state."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+from vlmserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SlotGroupSpec:
+    """A group of fixed-size per-request slots beside the paged KV: one for each running request,
+    and (with prefix caching) as many for states saved at block boundaries."""
+
+    bytes_per_slot: int
+    num_running: int
+    num_cached: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_running + self.num_cached
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+
+def slot_group_specs(slot_bytes: int, max_num_seqs: int, enable_prefix_caching: bool) -> list[SlotGroupSpec]:
+    """The slot groups a model needs: none without per-request state (0 bytes a slot)."""
+    if not slot_bytes:
+        return []
+    return [SlotGroupSpec(slot_bytes, max_num_seqs, max_num_seqs if enable_prefix_caching else 0)]
 
 
 class StateSlotPool:
@@ -89,3 +126,86 @@ class CachedStatePool:
         self._free.extend(self.entries.values())
         self.entries.clear()
         return dropped
+
+
+class StateCacheGroup:
+    """Per-request state slots and the states saved for prefix caching, as the cache coordinator
+    asks a group: can a request take a slot, how much of a cached KV prefix it may reuse, where a
+    chunk must end, what to copy before and after a step's forward, what a step made cacheable."""
+
+    def __init__(self, spec: SlotGroupSpec, block_size: int) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.slots = StateSlotPool(spec.num_running)
+        # States saved at block boundaries, in slots num_running.. (with prefix caching only).
+        self.cached = CachedStatePool(spec.num_running, spec.num_cached) if spec.num_cached else None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """NOTE: without cached states, cached KV must never be reused (its state is not there)."""
+        return self.cached is not None
+
+    def can_take(self) -> bool:
+        return self.slots.num_free > 0
+
+    def take(self, request_id: str) -> None:
+        self.slots.allocate(request_id)
+
+    def slot(self, request_id: str) -> int:
+        return self.slots.slot_of[request_id]
+
+    def reusable_blocks(self, hashes: list[bytes]) -> int:
+        """Of a cached KV prefix whose blocks have these hashes, how many blocks may be reused: as
+        far as a block whose end state is cached (the rest is recomputed)."""
+        n = len(hashes)
+        while n and (self.cached is None or not self.cached.has(hashes[n - 1])):
+            n -= 1
+        return n
+
+    def save_point(self, request: Request) -> int:
+        """Where the request's state is saved: the end of the prompt's last full block that a
+        repeat of the prompt could reuse (one token is always left to compute); 0 for none."""
+        if self.cached is None:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def chunk_end(self, request: Request, start: int, n: int) -> int:
+        """The most of [start, start + n) a chunk may compute: it ends at the save point inside."""
+        save_at = self.save_point(request)
+        return save_at - start if start < save_at < start + n else n
+
+    def copies_on_admission(self, request: Request, prefix_hashes: list[bytes]) -> list[tuple[int, int]]:
+        """A prefix hit ending with this block hash: its cached state into the request's slot."""
+        if not prefix_hashes:
+            return []
+        assert self.cached is not None
+        return [(self.cached.lookup(prefix_hashes[-1]), self.slot(request.request_id))]
+
+    def copies_after_step(self, request: Request, end: int, save_hash: bytes | None) -> list[tuple[int, int]]:
+        """A chunk ending at the save point (save_hash: that block's hash): the request's state into
+        a reserved cached-state slot, unless it is cached already or every slot is being written."""
+        if self.cached is None or save_hash is None or end != self.save_point(request) or end == 0:
+            return []
+        if self.cached.has(save_hash) or request.request_id in self.cached.pending:
+            return []
+        slot = self.cached.reserve(request.request_id, save_hash)
+        return [] if slot is None else [(self.slot(request.request_id), slot)]
+
+    def step_succeeded(self, request: Request) -> None:
+        """The request's step ran: a state it saved becomes a cache entry."""
+        if self.cached is not None and request.request_id in self.cached.pending:
+            self.cached.commit(request.request_id)
+
+    def free(self, request_id: str) -> None:
+        self.slots.free(request_id)
+        if self.cached is not None:
+            self.cached.release(request_id)
+
+    def reset(self) -> None:
+        self.slots = StateSlotPool(self.spec.num_running)
+        if self.cached is not None:
+            self.cached = CachedStatePool(self.spec.num_running, self.spec.num_cached)
+
+    def forget_cached(self) -> None:
+        if self.cached is not None:
+            self.cached.clear()

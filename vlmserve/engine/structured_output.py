@@ -1,6 +1,8 @@
 """Structured outputs with xgrammar: a request's grammar (JSON schema, regex, choice, EBNF) is
-compiled once per distinct spec, each request gets its own matcher, and every step the matchers
-of the rows being sampled fill one token bitmask that the sampler applies before anything else.
+compiled once per distinct spec, each request gets its own matcher in the engine core, and every
+step the matchers of the requests sampled fill one token bitmask there, sent with the step (every
+tensor-parallel rank applies the same one; vLLM's StructuredOutputManager); the sampler applies
+it before anything else.
 
 The engine process loads no tokenizer for its work; xgrammar needs the vocabulary as bytes, so
 the first request with a grammar reads it through the family's tokenizer, once (about a second
@@ -8,8 +10,8 @@ for Qwen's 151k tokens on a small CPU), and never otherwise. Ids past the tokeni
 (the model pads its embedding to 151936) are never allowed. A matcher allows eos only where the
 grammar may end; after the grammar ends it allows nothing but eos, so the request stops there.
 
-A matcher holds what its request generated: the runner keeps it next to the request's token ids
-and, wherever the two disagree (a failed step undone), replays the output into a fresh one."""
+A matcher holds what its request generated: a sampled token is accepted once the step that
+sampled it has succeeded (a failed step leaves it as it was)."""
 
 from __future__ import annotations
 
@@ -158,3 +160,38 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         logits.shape,
     )
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=rows)
+
+
+class StructuredOutputs:
+    """The matchers of the engine core's requests with structured outputs (request id -> its
+    matcher), and each step's bitmask."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self.matchers: dict[str, GrammarState] = {}
+        self.bitmask = TokenBitmask(compiler.model_vocab_size)
+
+    def add(self, request_id: str, matcher: GrammarState) -> None:
+        """A new request's matcher (GrammarCompiler.matcher)."""
+        self.matchers[request_id] = matcher
+
+    def fill(self, sampled: list[str]) -> tuple[list[str], torch.Tensor | None]:
+        """The requests among `sampled` (request ids) whose grammar goes on, and their masks
+        [rows, words] int32 (a copy: it travels with the step); ([], None) for none."""
+        live = [r for r in sampled if r in self.matchers and not self.matchers[r].terminated]
+        if not live:
+            return [], None
+        bitmask, rows = self.bitmask.fill([self.matchers[r] for r in live])
+        assert rows == list(range(len(live)))
+        return live, bitmask.clone()
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Tokens a step that succeeded sampled for the request (nothing for one without a grammar)."""
+        state = self.matchers.get(request_id)
+        if state is not None:
+            for token in token_ids:
+                state.accept(token)
+
+    def remove(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.matchers.pop(request_id, None)

@@ -31,12 +31,23 @@ from vlmserve.distributed.control import MESSAGE, GroupFailed, broadcast_bytes
 from vlmserve.engine import serial
 from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len
 from vlmserve.engine.config import EngineConfig, resolve_dtype
-from vlmserve.engine.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.memory import default_budget
 from vlmserve.engine.model_runner import ModelRunner
-from vlmserve.engine.structured_output import GrammarCompiler
+from vlmserve.engine.step_isolation import execute_or_isolate
+from vlmserve.engine.worker_messages import (
+    BindCaches,
+    DigestRequests,
+    Execute,
+    FreeEncoderOutputs,
+    Plan,
+    RankInfo,
+    Reply,
+    Reset,
+    Shutdown,
+    WorkerCall,
+    call_decoder,
+)
 from vlmserve.models.build import build_model
-from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 
 logger = logging.getLogger(__name__)
@@ -46,96 +57,6 @@ logger = logging.getLogger(__name__)
 # connection, at once).
 COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600.0
 
-# -- the calls, as messages ----------------------------------------------------------------------
-
-
-class Plan(msgspec.Struct, tag=True):
-    """Describe this rank for the memory plan; with `dummy_items`, also run the worst-case
-    profile step (ModelRunner.profile_run) and report its peak."""
-
-    profile: bool
-    dummy_items: list[MultiModalItem] = msgspec.field(default_factory=list)
-    num_tokens: int = 0
-    max_model_len: int = 0
-    num_seqs: int = 0
-    block_size: int = 0
-
-
-class BindKVCache(msgspec.Struct, tag=True):
-    num_blocks: int
-    block_size: int
-
-
-class BindStateCache(msgspec.Struct, tag=True):
-    num_slots: int
-
-
-class Execute(msgspec.Struct, tag=True):
-    step: SchedulerOutput
-
-
-class FreeEncoderOutputs(msgspec.Struct, tag=True):
-    content_hashes: list[str]
-
-
-class Reset(msgspec.Struct, tag=True):
-    pass
-
-
-class Shutdown(msgspec.Struct, tag=True):
-    pass
-
-
-class DigestRequests(msgspec.Struct, tag=True):
-    """Each rank's digest of the requests it holds (ids and token ids): equal on every rank
-    while the ranks agree (a check for tests and debugging)."""
-
-
-WorkerCall = Plan | BindKVCache | BindStateCache | Execute | FreeEncoderOutputs | Reset | Shutdown | DigestRequests
-
-
-class RankInfo(msgspec.Struct, array_like=True):
-    """What the memory plan needs of one rank (its own shard's numbers)."""
-
-    weights_bytes: int
-    kv_bytes_per_token: int
-    state_bytes_per_slot: int
-    # What this rank may use in all by default (its device's, or its share of the host's; the
-    # config's memory_budget_bytes, per rank, overrides it); 0 when not profiled.
-    budget_bytes: int
-    activation_bytes: int = 0  # the profile step's peak; 0 when not profiled
-
-
-class StepResult(msgspec.Struct):
-    output: ModelRunnerOutput
-    # Request id -> why, for the requests that raised even when run alone (the core frees them).
-    failed: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class Reply(msgspec.Struct):
-    step: StepResult | None = None
-    ranks: list[RankInfo] = msgspec.field(default_factory=list)
-    digests: list[int] = msgspec.field(default_factory=list)  # DigestRequests: (count, digest) per rank
-    # Set when the call failed outside any one request: the rank exits after sending it.
-    error: str | None = None
-
-
-call_decoder = serial.decoder(WorkerCall)
-reply_decoder = serial.decoder(Reply)
-
-
-def execute_or_isolate(runner: ModelRunner, step: SchedulerOutput) -> StepResult:
-    """Run the step. If it raises, the step is undone and its requests run one at a time: those
-    that still raise are named in `failed` (the runner has forgotten them)."""
-    snapshot = runner.snapshot(step)
-    try:
-        return StepResult(runner.execute(step))
-    except Exception:
-        logger.exception("a step of %d requests failed; retrying them one at a time", len(snapshot))
-    output, failed = runner.execute_one_at_a_time(step, snapshot)
-    return StepResult(output, failed)
-
-
 # -- one rank --------------------------------------------------------------------------------------
 
 
@@ -144,14 +65,12 @@ class Worker:
         self,
         config: EngineConfig,
         model_dir: Path,
-        eos_token_ids: list[int],
         device: torch.device,
         backend: AttentionBackend | None = None,
-        grammars: GrammarCompiler | None = None,
         local_world_size: int = 1,
     ) -> None:
-        """`backend`, `grammars`: the engine core's, shared in-process; a rank process makes its
-        own. `local_world_size`: ranks on this host (on the CPU they share its memory)."""
+        """`backend`: the engine core's, shared in-process; a rank process makes its own.
+        `local_world_size`: ranks on this host (on the CPU they share its memory)."""
         self.config = config
         self.device = device
         self.local_world_size = local_world_size
@@ -165,20 +84,12 @@ class Worker:
             family.model_class, model_config, model_dir, self.backend, device, self.dtype, config.quantization
         )
         self.runner = ModelRunner(self.model, device, self.dtype)
-        if grammars is None:
-
-            def load_vocabulary() -> list[bytes]:
-                tokenizer = family.load_tokenizer(model_dir)
-                return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-
-            grammars = GrammarCompiler(load_vocabulary, model_config.text.vocab_size, eos_token_ids)
-        self.runner.grammars = grammars
 
     def plan(self, call: Plan) -> RankInfo:
         info = RankInfo(
             weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
-            state_bytes_per_slot=self.runner.state_bytes_per_slot,
+            slot_bytes=self.runner.state_bytes_per_slot,
             budget_bytes=0,
         )
         if call.profile:
@@ -202,10 +113,8 @@ class Worker:
             return Reply(ranks=gather_rank_infos(self.plan(call)))
         if isinstance(call, DigestRequests):
             return Reply(digests=gather_ints(*self.digest_requests()))
-        if isinstance(call, BindKVCache):
-            runner.bind_kv_cache(call.num_blocks, call.block_size)
-        elif isinstance(call, BindStateCache):
-            runner.bind_state_cache(call.num_slots)
+        if isinstance(call, BindCaches):
+            runner.bind_caches(call.num_blocks, call.block_size, call.group_slots)
         elif isinstance(call, FreeEncoderOutputs):
             runner.free_encoder_outputs(call.content_hashes)
         elif isinstance(call, Reset):
@@ -231,7 +140,7 @@ def gather_ints(*values: int) -> list[int]:
 
 def gather_rank_infos(info: RankInfo) -> list[RankInfo]:
     """Every rank's info, rank 0 first (on every rank)."""
-    fields = (info.weights_bytes, info.kv_bytes_per_token, info.state_bytes_per_slot, info.budget_bytes)
+    fields = (info.weights_bytes, info.kv_bytes_per_token, info.slot_bytes, info.budget_bytes)
     flat = gather_ints(*fields, info.activation_bytes)
     n = len(fields) + 1
     return [RankInfo(*flat[i : i + n]) for i in range(0, len(flat), n)]
@@ -256,15 +165,14 @@ class RankSpec:
     master_port: int
     parent_pid: int  # the rank exits when this process is gone (0: no watch)
     threads: int
-    # Rank 0: the engine's config and eos ids (worker_setup_json); the others get them from rank 0.
+    # Rank 0: the engine's config (worker_setup_json); the others get it from rank 0.
     setup_json: str | None
 
 
-def worker_setup_json(config: EngineConfig, eos_token_ids: list[int]) -> str:
-    """What every rank builds from: the engine's config (media limits are the front end's) and
-    the ids that end generation (for structured outputs' grammars)."""
+def worker_setup_json(config: EngineConfig) -> str:
+    """What every rank builds from: the engine's config (media limits are the front end's)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "media_limits"}
-    return json.dumps({"config": fields, "eos_token_ids": sorted(eos_token_ids)})
+    return json.dumps({"config": fields})
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -304,7 +212,7 @@ def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | No
         # Ranks on other machines load the model from their own path; the rest is rank 0's.
         setup = json.loads(broadcast_bytes(spec.setup_json.encode() if spec.setup_json is not None else None, MESSAGE))
         config = dataclasses.replace(EngineConfig(**setup["config"]), model=spec.model_dir)
-        worker = Worker(config, Path(spec.model_dir), setup["eos_token_ids"], device, None, None, spec.local_world_size)
+        worker = Worker(config, Path(spec.model_dir), device, None, spec.local_world_size)
         if conn is not None:
             conn.send_bytes(serial.encode(Reply()))  # ready
         _serve(worker, conn)
