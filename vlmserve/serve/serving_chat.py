@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.chat_output import ChatParsing
 from vlmserve.serve.echo import chat_echo, prompt_logprobs_json, with_echo
 from vlmserve.serve.protocol import APIError, ChatCompletionRequest
-from vlmserve.serve.responses import SSE_DONE, chat_logprobs, extension, response_id, running_usage, sse, usage
+from vlmserve.serve.responses import chat_logprobs, extension, response_id, running_usage, usage
 from vlmserve.serve.serving import EngineServing
+from vlmserve.serve.streaming import SentChoices, continuous_usage, sse_stream, usage_so_far
 
 
 class ChatServing(EngineServing):
@@ -72,74 +74,74 @@ class ChatServing(EngineServing):
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    async def stream(
+    def stream(
         self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams, parsing: ChatParsing
     ) -> AsyncIterator[str]:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        base = {
+            "id": response_id("chatcmpl", body.request_id, request_id),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.ctx.model_name,
+        }
+        final: list[RequestOutput] = []  # the last output, once there is one
+        return sse_stream(
+            self._chunks(request_id, base, body, prompt, params, parsing, final),
+            body.stream_options,
+            lambda: base | {"choices": [], "usage": usage(prompt, final[0])} if final else None,
+        )
+
+    async def _chunks(
+        self,
+        request_id: str,
+        base: dict[str, Any],
+        body: ChatCompletionRequest,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        parsing: ChatParsing,
+        final: list[RequestOutput],
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """A role chunk per choice (the `vlmserve` extension on the first), the echo, then each
+        output's text, tool-call and logprob deltas."""
         token_ids = bool(body.return_token_ids)
-        shown_id = response_id("chatcmpl", body.request_id, request_id)
-        base = {"id": shown_id, "object": "chat.completion.chunk", "created": created, "model": self.ctx.model_name}
         tokenizer = self.ctx.frontend.tokenizer
-        sent_text = [0] * params.n
-        sent_tokens = [0] * params.n
         parsers = [parsing.stream() if parsing.active else None for _ in range(params.n)]
-        options = body.stream_options
-        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-        num_prompt = len(prompt.prompt_token_ids)
+        continuous = continuous_usage(body.stream_options)
         for i in range(params.n):
             role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             first: dict[str, Any] = {"vlmserve": extension([prompt], self.grounding_convention)} if i == 0 else {}
             if i == 0 and token_ids:  # vLLM: the prompt's ids ride on the first chunk
                 first["prompt_token_ids"] = list(prompt.prompt_token_ids)
-            if continuous:  # vLLM's continuous_usage_stats: usage so far on every chunk
-                first["usage"] = running_usage(num_prompt, 0)
-            yield sse(base | {"choices": [role]} | first)
+            if continuous:
+                first["usage"] = running_usage(len(prompt.prompt_token_ids), 0)
+            yield base | {"choices": [role]} | first
         echo = chat_echo(body.messages, body.add_generation_prompt) if body.echo else ""
         if echo:  # vLLM: the echoed content in a chunk of its own per choice
             for i in range(params.n):
-                choice = {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
-                yield sse(base | {"choices": [choice]})
+                yield base | {
+                    "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}]
+                }
         as_ids = bool(body.return_tokens_as_token_ids)
-        final = None
-        try:
-            async for output in self._outputs(request_id, prompt, params, self._beam(body, params)):
-                final = output
-                choices = []
-                for c in output.outputs:
-                    delta = c.text[sent_text[c.index] :]
-                    if not delta and c.finish_reason is None:
-                        continue
-                    logprobs = chat_logprobs(c, sent_tokens[c.index], params.logprobs or 0, tokenizer, as_ids)
-                    new_ids = list(c.token_ids[sent_tokens[c.index] :])
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    parser = parsers[c.index]
-                    finish_reason = c.finish_reason
-                    if parser is None:
-                        message = {"content": delta} if delta else {}
-                    else:
-                        message = parser.feed(delta, final=finish_reason is not None)
-                        if parser.called and finish_reason == "stop":
-                            finish_reason = "tool_calls"
-                    choices.append(
-                        {
-                            "index": c.index,
-                            "delta": message,
-                            "logprobs": logprobs,
-                            "finish_reason": finish_reason,
-                        }
-                        | ({"token_ids": new_ids} if token_ids else {})
-                    )
-                if choices:
-                    extra = {}
-                    if continuous:
-                        generated = sum(len(c.token_ids) for c in output.outputs)
-                        extra["usage"] = running_usage(len(output.prompt_token_ids), generated)
-                    yield sse(base | {"choices": choices} | extra)
-        except APIError as e:
-            yield sse(e.body())
-            yield SSE_DONE
-            return
-        if final is not None and body.stream_options and body.stream_options.include_usage:
-            yield sse(base | {"choices": [], "usage": usage(prompt, final)})
-        yield SSE_DONE
+        sent = SentChoices()
+        async for output in self._outputs(request_id, prompt, params, self._beam(body, params)):
+            final[:] = [output]
+            choices = []
+            for c in output.outputs:
+                if not sent.has_news(c.index, c):
+                    continue
+                delta = sent.take(c.index, c)
+                logprobs = chat_logprobs(c, delta.token_start, params.logprobs or 0, tokenizer, as_ids)
+                parser = parsers[c.index]
+                finish_reason = c.finish_reason
+                if parser is None:
+                    message = {"content": delta.text} if delta.text else {}
+                else:
+                    message = parser.feed(delta.text, final=finish_reason is not None)
+                    if parser.called and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                choices.append(
+                    {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+                    | ({"token_ids": delta.token_ids} if token_ids else {})
+                )
+            if choices:
+                yield base | {"choices": choices} | (usage_so_far(output) if continuous else {})

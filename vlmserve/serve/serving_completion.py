@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.serve.echo import echoed_logprobs, prompt_logprobs_json, prompt_text
-from vlmserve.serve.protocol import APIError, CompletionRequest
-from vlmserve.serve.responses import SSE_DONE, completion_logprobs, extension, response_id, running_usage, sse, usage
+from vlmserve.serve.protocol import CompletionRequest
+from vlmserve.serve.responses import completion_logprobs, extension, response_id, usage
 from vlmserve.serve.serving import EngineServing
+from vlmserve.serve.streaming import SentChoices, continuous_usage, sse_stream, usage_so_far
 
 
 class CompletionServing(EngineServing):
@@ -68,23 +69,43 @@ class CompletionServing(EngineServing):
             "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True),
         }
 
-    async def stream(
+    def stream(
         self, body: CompletionRequest, prompts: list[ProcessedPrompt], params: SamplingParams
     ) -> AsyncIterator[str]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        # vLLM's continuous_usage_stats: each chunk carries its prompt's usage so far.
-        continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        token_ids = bool(body.return_token_ids)
-        tokenizer = self.ctx.frontend.tokenizer
-        as_ids = bool(body.return_tokens_as_token_ids)
-        echoes = [prompt_text(p, tokenizer) if body.echo else "" for p in prompts]
         base = {
             "id": response_id("cmpl", body.request_id, request_id),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.ctx.model_name,
         }
+        finals: dict[int, RequestOutput] = {}
+
+        def usage_chunk() -> dict[str, Any] | None:
+            if len(finals) < len(prompts):
+                return None
+            return base | {"choices": [], "usage": _total_usage(prompts, [finals[i] for i in range(len(prompts))])}
+
+        return sse_stream(
+            self._chunks(request_id, base, body, prompts, params, finals), body.stream_options, usage_chunk
+        )
+
+    async def _chunks(
+        self,
+        request_id: str,
+        base: dict[str, Any],
+        body: CompletionRequest,
+        prompts: list[ProcessedPrompt],
+        params: SamplingParams,
+        finals: dict[int, RequestOutput],
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Text deltas in the order the engine produces them, over every prompt's samples (the
+        `vlmserve` extension on the first chunk, each choice's echo on its first)."""
+        continuous = continuous_usage(body.stream_options)
+        token_ids = bool(body.return_token_ids)
+        tokenizer = self.ctx.frontend.tokenizer
+        as_ids = bool(body.return_tokens_as_token_ids)
+        echoes = [prompt_text(p, tokenizer) if body.echo else "" for p in prompts]
         beam = self._beam(body, params)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
@@ -98,11 +119,8 @@ class CompletionServing(EngineServing):
                 queue.put_nowait(None)
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
-        sent: dict[tuple[int, int], int] = {}
-        sent_tokens: dict[tuple[int, int], int] = {}
-        finals: dict[int, RequestOutput] = {}
+        sent = SentChoices()
         done = 0
-        failed = False
         # The extension rides on the first chunk.
         first_extension = {"vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True)}
         try:
@@ -111,44 +129,32 @@ class CompletionServing(EngineServing):
                 if item is None:
                     done += 1
                     continue
-                if isinstance(item, APIError):
-                    yield sse(item.body())
-                    failed = True
-                    break
                 if isinstance(item, BaseException):
-                    raise item
+                    raise item  # an APIError ends the stream with its error event
                 i, output = item
                 finals[i] = output
                 for c in output.outputs:
                     key = (i, c.index)
-                    delta = c.text[sent.get(key, 0) :]
-                    echo = echoes[i] if key not in sent else ""  # vLLM: the prompt on the first chunk
-                    if delta or echo or c.finish_reason is not None:
-                        if echo:
-                            logprobs = echoed_logprobs(output, c, tokenizer, as_ids)
-                        else:
-                            start = sent_tokens.get(key, 0)
-                            logprobs = completion_logprobs(c, start, len(echoes[i]) + sent.get(key, 0), as_ids)
-                        choice = {
-                            "index": i * params.n + c.index,
-                            "text": echo + delta,
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                        }
-                        if token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then new ids
-                            if key not in sent:
-                                choice["prompt_token_ids"] = list(output.prompt_token_ids)
-                            choice["token_ids"] = list(c.token_ids[sent_tokens.get(key, 0) :])
-                        sent[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                        first, first_extension = first_extension, {}
-                        if continuous:
-                            generated = sum(len(o.token_ids) for o in output.outputs)
-                            first = first | {"usage": running_usage(len(output.prompt_token_ids), generated)}
-                        yield sse(base | first | {"choices": [choice]})
-            if include_usage and not failed and len(finals) == len(prompts):
-                ordered = [finals[i] for i in range(len(prompts))]
-                yield sse(base | {"choices": [], "usage": _total_usage(prompts, ordered)})
-            yield SSE_DONE
+                    echo = echoes[i] if not sent.has_sent(key) else ""  # vLLM: the prompt on the first chunk
+                    if not (echo or sent.has_news(key, c)):
+                        continue
+                    delta = sent.take(key, c)
+                    if echo:
+                        logprobs = echoed_logprobs(output, c, tokenizer, as_ids)
+                    else:
+                        logprobs = completion_logprobs(c, delta.token_start, len(echoes[i]) + delta.text_start, as_ids)
+                    choice = {
+                        "index": i * params.n + c.index,
+                        "text": echo + delta.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if token_ids:  # vLLM: the prompt's ids on a choice's first chunk, then new ids
+                        if delta.first:
+                            choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                        choice["token_ids"] = delta.token_ids
+                    first, first_extension = first_extension, {}
+                    yield base | first | (usage_so_far(output) if continuous else {}) | {"choices": [choice]}
         finally:
             for task in tasks:
                 task.cancel()
