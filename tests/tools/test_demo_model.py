@@ -174,6 +174,7 @@ def demo_server(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     s.stop()
 
 
+@pytest.mark.server
 def test_server_names_the_shapes(demo_server: Server) -> None:
     """Through the OpenAI client, with the picture as a data URL: the example's shapes named, and
     the sizes a client maps boxes with."""
@@ -203,6 +204,7 @@ def test_server_names_the_shapes(demo_server: Server) -> None:
     assert extension["mm_items"] == [{"modality": "image", "original_size": [448, 448], "resized_size": [168, 168]}]
 
 
+@pytest.mark.server
 def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
     """The chat page in headless Chromium, on the demo checkpoint: the example picture attached,
     "Find every shape." asked (greedy); every box the page draws overlaps its shape's true box (in the
