@@ -20,6 +20,23 @@ torch.set_num_threads(2)
 # anything imports triton; TRITON_INTERPRET=0 skips the tests that need it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Markers by the folder a test lives in (registered in pyproject.toml), so that `pytest -m "not
+# server"` and the like select a part of the suite. `slow`, and `server` on the few tests outside
+# tests/serve that start a server, are marked in their modules.
+FOLDER_MARKERS = {
+    "serve": "server",  # the server's tests: most start a real `vlmserve serve` process
+    "kernels": "kernels",  # the compiled CPU kernels
+    "attention": "kernels",  # the Triton kernels, run by the Triton interpreter
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(tests) and (marker := FOLDER_MARKERS.get(item.path.relative_to(tests).parts[0])):
+            item.add_marker(marker)
+
 
 @pytest.fixture(scope="session")
 def triton_interpreter() -> None:

@@ -39,6 +39,7 @@ def schema(i: int) -> dict:
     return {"type": "object", "properties": properties, "required": names, "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_twenty_schemas_in_one_batch_all_valid(llm: LLM) -> None:
     schemas = [schema(i) for i in range(20)]
     params = [

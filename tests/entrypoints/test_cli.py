@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vlmserve import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +47,7 @@ def test_chat_streams_the_same_answer_as_the_api(tiny_dir: Path) -> None:
     assert expected.strip()
 
 
+@pytest.mark.slow
 def test_chat_with_a_video_on_qwen2_5_vl(tiny25_dir: Path, tmp_path: Path) -> None:
     from tests.conftest import write_video
 

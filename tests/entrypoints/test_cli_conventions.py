@@ -14,6 +14,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SUNSET = REPO / "examples" / "sunset.png"
 # Printed only once a model starts loading: an error reported before any of these came early.
@@ -181,6 +183,7 @@ def test_one_word_is_the_question_unless_it_names_a_model(tmp_path: Path) -> Non
     assert not any(looks_like_hub_id(q) for q in ("hello there", "2+2", "what is 1/2?", "./org/name", str(tmp_path)))
 
 
+@pytest.mark.server
 def test_serve_logs_one_banner_weight_progress_and_throughput_lines(tiny_dir: Path, tmp_path: Path) -> None:
     """The start-up log names what was built, once; weight loading shows progress; while a
     request runs the engine logs throughput lines."""

@@ -136,6 +136,7 @@ def test_one_sampling_params_per_prompt(llm: LLM, cases, reference) -> None:  # 
         llm.generate([cases[3][0]] * 2, [SamplingParams()] * 3)
 
 
+@pytest.mark.slow
 def test_a_seeded_sample_ignores_its_batch_and_sample_i_of_n_is_the_run_with_seed_plus_i(llm: LLM, cases) -> None:  # type: ignore[no-untyped-def]
     text = cases[3][0]
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123)

@@ -120,6 +120,7 @@ def vlm_generate(llm: LLM, cases, params: SamplingParams) -> list[list[int]]:  #
     return [o.outputs[0].token_ids for o in llm.generate([prompt for prompt, _, _ in cases], params)]
 
 
+@pytest.mark.slow
 def test_the_checkpoints_repetition_penalty_is_the_default_and_matches_transformers(
     llm: LLM, hf_penalized, cases
 ) -> None:  # type: ignore[no-untyped-def]

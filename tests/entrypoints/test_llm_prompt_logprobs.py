@@ -130,6 +130,7 @@ def test_allowed_token_ids_mask_every_other_token(  # type: ignore[no-untyped-de
         llm.generate(TEXT, SamplingParams(allowed_token_ids=[10**7]))
 
 
+@pytest.mark.slow
 def test_preempted_requests_keep_their_prompt_logprobs(
     tiny_dir: Path, hf_model, hf_tokenizer, hf_image_processor
 ) -> None:  # type: ignore[no-untyped-def]

@@ -86,6 +86,7 @@ def _run(
     return tokens, logprobs, llm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", [None, "int8", "awq"])
 def test_fused_decode_gives_the_layer_paths_bits(
     checkpoint: Path,
@@ -151,6 +152,7 @@ def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
     assert not any(fused for rows, fused in calls if rows > PACKED_ROWS)
 
 
+@pytest.mark.slow
 def test_qwen3_vl_moe_decodes_layer_by_layer(tmp_path: Path) -> None:
     spec = replace(qwen3_tiny.MOE_SPEC, **WIDE3)
     llm = LLM(qwen3_tiny.write_tiny_qwen3_vl(tmp_path / "moe", spec), dtype="bfloat16", max_model_len=256,

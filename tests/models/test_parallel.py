@@ -75,6 +75,7 @@ def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return total, replicated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["tiny_dir", "tiny25_dir", "tiny3_dir", "tiny3_moe_dir"])
 def test_two_ranks_match_one_process(checkpoint: str, request: pytest.FixtureRequest) -> None:
     """LLM(tensor_parallel_size=2): two gloo rank processes, each holding its shard, give the

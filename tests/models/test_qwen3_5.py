@@ -248,6 +248,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parity
 def test_greedy_batched_and_alone_match_transformers_generate(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
     """Image, two images, text only and multi-turn in one call (a 64-token budget: image prompts

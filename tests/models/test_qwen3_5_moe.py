@@ -95,6 +95,7 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parity
 def test_greedy_batched_and_alone_match_transformers_generate(moe_dir: Path, hf_moe) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(moe_dir)

@@ -277,7 +277,7 @@ GREEDY_CASES = [
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("arch", ["dense", "moe"])
+@pytest.mark.parametrize("arch", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_greedy_batched_and_alone_match_transformers_generate(  # type: ignore[no-untyped-def]
     arch: str, request: pytest.FixtureRequest
 ) -> None:

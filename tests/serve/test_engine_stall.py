@@ -123,6 +123,7 @@ def test_a_stopped_engine_makes_health_503_and_resumes_its_requests_with_their_o
     assert segments_left() == []
 
 
+@pytest.mark.slow
 def test_an_engine_stopped_past_the_stall_timeout_is_killed_its_requests_fail_naming_it_and_it_restarts(
     stall_server: Server,
 ) -> None:

@@ -459,6 +459,7 @@ def test_time_to_first_token_and_e2e_run_from_arrival_through_the_media_fetch(
     wait_idle(small)
 
 
+@pytest.mark.slow
 def test_engine_death_errors_in_flight_then_restarts(tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dir, tmp_path)
     try:
@@ -494,6 +495,7 @@ def test_engine_death_errors_in_flight_then_restarts(tiny_dir: Path, tmp_path: P
         server.stop()
 
 
+@pytest.mark.slow
 def test_api_process_death_ends_the_engine(tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dir, tmp_path)
     engine = server.engine_pid()
@@ -508,6 +510,7 @@ def test_api_process_death_ends_the_engine(tiny_dir: Path, tmp_path: Path) -> No
 DRAINED_TOKENS = 100
 
 
+@pytest.mark.slow
 def test_start_sweeps_orphan_segments_and_sigterm_drains_in_flight_streams_and_refuses_new(
     tiny_dir: Path, tmp_path: Path
 ) -> None:

@@ -133,6 +133,7 @@ extreme_body = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=extreme_body)
 def test_numeric_extremes_get_an_answer_or_a_4xx_and_never_restart_the_engine(server: Server, body: dict) -> None:
@@ -294,6 +295,7 @@ def _node_id_for_schemathesis(request: pytest.FixtureRequest) -> None:
         request.node._nodeid = request.node.nodeid
 
 
+@pytest.mark.slow
 @api.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_field_of_the_openapi_schema_gets_an_answer_or_a_4xx(
@@ -396,6 +398,7 @@ def _cases(raw: dict, model: str) -> list[tuple[str, FieldPath, dict]]:
     return [(endpoint, path, base) for (endpoint, path), base in cases.items()]
 
 
+@pytest.mark.slow
 def test_every_field_at_every_extreme_gets_an_answer_or_a_4xx(server: Server, served_model: str) -> None:
     engine = server.engine_pid()
     cases = _cases(server.get("/openapi.json").json(), served_model)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.serve.conftest import Server, data_url, image_message, picture, segments_left, start_server
 from vlmserve import LLM, SamplingParams
@@ -35,6 +36,7 @@ async def stream_one(client: httpx.AsyncClient, server: Server, messages: list) 
     return "".join(text)
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_with_images(tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dir, tmp_path, "--max-num-seqs", "64", "--max-queue", "128")
     try:

@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.serve.conftest import start_server
 from tests.serve.test_faults import LONG, StreamReader, alive, wait_until
 
@@ -18,6 +20,7 @@ def rank_pids(engine_pid: int) -> list[int]:
     return [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_stream_and_the_restarted_engine_answers(tiny_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dir, tmp_path, "--tensor-parallel-size", "2")
     try:

@@ -72,6 +72,7 @@ def demo_llm(path: Path, dtype: str = "float32", max_num_seqs: int = 64) -> LLM:
 
 
 # Both dtypes and both kernel paths, in two runs (each costs a model load and a few seconds).
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "kernels"), [("bfloat16", "cpu-kernels"), ("float32", "torch-fallback")])
 def test_llm_answers_held_out_scenes(
     demo_dir: Path, cases: list[Case], dtype: str, kernels: str, monkeypatch: pytest.MonkeyPatch
@@ -143,10 +144,12 @@ def logprob_cases(cases: list[Case]) -> list[Case]:
     return [c for c in cases if c.qa.kind in ("describe", "count")]
 
 
+@pytest.mark.slow
 def test_true_answers_are_likely(demo_dir: Path, logprob_cases: list[Case]) -> None:
     assert answer_logprob(demo_llm(demo_dir), logprob_cases) >= LOGPROB_FLOOR
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_a_broken_image_path_is_caught(
     demo_dir: Path, logprob_cases: list[Case], mutation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -174,6 +177,7 @@ def demo_server(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     s.stop()
 
 
+@pytest.mark.server
 def test_server_names_the_shapes(demo_server: Server) -> None:
     """Through the OpenAI client, with the picture as a data URL: the example's shapes named, and
     the sizes a client maps boxes with."""
@@ -203,6 +207,7 @@ def test_server_names_the_shapes(demo_server: Server) -> None:
     assert extension["mm_items"] == [{"modality": "image", "original_size": [448, 448], "resized_size": [168, 168]}]
 
 
+@pytest.mark.server
 def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
     """The chat page in headless Chromium, on the demo checkpoint: the example picture attached,
     "Find every shape." asked (greedy); every box the page draws overlaps its shape's true box (in the

@@ -102,6 +102,7 @@ def _agreement(reference: list[list[int]], ours: list[list[int]]) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 def test_int8_greedy_tokens_agree_with_the_float_model_over_64_tokens(tiny_dir: Path) -> None:
     reference = _greedy(tiny_dir, "float32", None)
     int8 = _agreement(reference, _greedy(tiny_dir, "float32", "int8"))

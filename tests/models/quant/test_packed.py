@@ -300,6 +300,7 @@ def test_the_rtn_tool_packs_as_autoawq_and_rounds_to_the_nearest_step() -> None:
     assert ((back.t() - weight).abs() <= scales.float()[per_input].t() / 2 + 1e-6).all()
 
 
+@pytest.mark.slow
 @needs_int4
 def test_int4_logits_and_greedy_tokens_against_the_float_model(tiny_dir: Path, tmp_path: Path) -> None:
     from tests.models.quant.test_int8 import _agreement, _greedy
