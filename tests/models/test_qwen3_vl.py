@@ -15,9 +15,9 @@ from tests.conftest import random_image, write_video
 from tests.model_harness import Harness
 from tests.published_configs import QWEN3_VL_2B, QWEN3_VL_8B, QWEN3_VL_30B_A3B
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_token_type_ids
+from vlmserve.families.common.decoder import MRotaryEmbedding
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
 from vlmserve.families.qwen3_vl.config import Qwen3VLFamilyConfig
-from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary
 from vlmserve.families.qwen3_vl.tiny import PRESETS, config_json
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
@@ -138,9 +138,9 @@ def test_interleaved_mrope_matches_transformers() -> None:
     reference = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(head_dim=128, rope_parameters=rope))
     positions = torch.stack([torch.arange(50) * 3, torch.arange(50) % 7 + 100, torch.arange(50) // 5 + 200])
     cos, sin = reference(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
-    ours_cos, ours_sin = InterleavedMRotary(128, 5e6, (24, 20, 20), interleaved=True)(positions, torch.float32)
+    ours_cos, ours_sin = MRotaryEmbedding(128, 5e6, (24, 20, 20), interleaved=True)(positions, torch.float32)
     assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
-    sectioned, _ = InterleavedMRotary(128, 5e6, (24, 20, 20), interleaved=False)(positions, torch.float32)
+    sectioned, _ = MRotaryEmbedding(128, 5e6, (24, 20, 20), interleaved=False)(positions, torch.float32)
     assert not torch.allclose(sectioned, cos[0], atol=1e-3)  # the layouts differ where t, h, w differ
 
 
