@@ -107,17 +107,22 @@ def layer_norm(dim: int) -> nn.Module:
 
 
 class VisionBlock(nn.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(x)); `norm` makes the towers' norm (LayerNorm, or
-    Qwen2.5-VL's RMSNorm) for a width."""
+    """x + attn(norm1(x)), then + mlp(norm2(x)); `norm` makes the tower's norm (LayerNorm, or
+    Qwen2.5-VL's RMSNorm) for a width, `mlp` its MLP (built after the attention, so a width that
+    does not shard is reported after the heads)."""
 
     def __init__(
-        self, config: VisionConfig, backend: AttentionBackend, mlp: nn.Module, norm: Callable[[int], nn.Module]
+        self,
+        config: VisionConfig,
+        backend: AttentionBackend,
+        norm: Callable[[int], nn.Module],
+        mlp: Callable[[], nn.Module],
     ) -> None:
         super().__init__()
         self.norm1 = norm(config.embed_dim)
         self.norm2 = norm(config.embed_dim)
         self.attn = VisionAttention(config.embed_dim, config.num_heads, backend)
-        self.mlp = mlp
+        self.mlp = mlp()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)

@@ -5,6 +5,7 @@ and the 2x2 patch merger."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -50,12 +51,8 @@ class Qwen2VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(config, bias=False)
         self.rotary = VisionRotary(config.head_dim, config.rope_theta)
         mlp_width = int(config.embed_dim * config.mlp_ratio)
-        self.blocks = nn.ModuleList(
-            [
-                VisionBlock(config, backend, VisionMLP(config.embed_dim, mlp_width, config.hidden_act), layer_norm)
-                for _ in range(config.depth)
-            ]
-        )
+        mlp = partial(VisionMLP, config.embed_dim, mlp_width, config.hidden_act)
+        self.blocks = nn.ModuleList([VisionBlock(config, backend, layer_norm, mlp) for _ in range(config.depth)])
         self.merger = PatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -13,6 +13,8 @@ The merger's output is permuted back to the processor's order.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -77,12 +79,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(config, bias=False)
         self.rotary = VisionRotary(config.head_dim, config.rope_theta)
         # RMSNorm, and a SwiGLU MLP with biases (the checkpoint's gate_proj / up_proj fused).
-        self.blocks = nn.ModuleList(
-            [
-                VisionBlock(config, backend, SwiGLUVisionMLP(config.embed_dim, width, config.hidden_act), RMSNorm)
-                for _ in range(config.depth)
-            ]
-        )
+        mlp = partial(SwiGLUVisionMLP, config.embed_dim, width, config.hidden_act)
+        self.blocks = nn.ModuleList([VisionBlock(config, backend, RMSNorm, mlp) for _ in range(config.depth)])
         self.merger = PatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size, norm=RMSNorm)
         self.fullatt_block_indexes = frozenset(config.fullatt_block_indexes)
 

@@ -12,6 +12,8 @@ the processor relies on that (a Qwen3-VL video is one item per temporal patch).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,13 +86,9 @@ class Qwen3VisionTransformer(nn.Module):
         self.pos_embed = nn.Embedding(num_positions, config.embed_dim)
         self.grid_side = int(num_positions**0.5)
         self.rotary = VisionRotary(config.head_dim, config.rope_theta)
-        names = ("linear_fc1", "linear_fc2")  # the checkpoint's
-        self.blocks = nn.ModuleList(
-            [
-                VisionBlock(config, backend, VisionMLP(config.embed_dim, width, config.hidden_act, names), layer_norm)
-                for _ in range(config.depth)
-            ]
-        )
+        # The MLP's layers under the checkpoint's names.
+        mlp = partial(VisionMLP, config.embed_dim, width, config.hidden_act, ("linear_fc1", "linear_fc2"))
+        self.blocks = nn.ModuleList([VisionBlock(config, backend, layer_norm, mlp) for _ in range(config.depth)])
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_visual_indexes = deepstack_visual_indexes
         self.deepstack_merger_list = nn.ModuleList(
