@@ -148,12 +148,27 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
         help="parse each answer's grounding boxes, print them in the latest image's original pixels and draw them "
         "on it into this PNG (in a conversation: OUT-1.png, OUT-2.png, ... one per turn)",
     )
+    _box_convention_argument(p)
+
+
+def _and(names: list[str]) -> str:
+    """a; a and b; a, b and c."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _box_convention_argument(p: argparse.ArgumentParser) -> None:
+    """--box-convention: the conventions of the registered families, each named with its scale."""
+    from vlmserve.registry import GROUNDING_CONVENTIONS
+
+    by_scale: dict[str, list[str]] = {}
+    for convention in GROUNDING_CONVENTIONS.values():
+        by_scale.setdefault(convention.scale, []).append(convention.name)
+    scales = ", ".join(f"{_and(names)} {scale}" for scale, names in by_scale.items())
     p.add_argument(
         "--box-convention",
-        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"],
+        choices=list(GROUNDING_CONVENTIONS),
         default=None,
-        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl, qwen2-vl and qwen3-vl "
-        "on a 0..1000 scale, qwen2.5-vl in the resized image's pixels",
+        help=f"how the model writes boxes (default: its family's, from the checkpoint's model_type): {scales}",
     )
 
 
