@@ -19,9 +19,11 @@ from vlmserve.multimodal.inputs import MultiModalItem
 
 
 class Qwen35ForConditionalGeneration(VisionLanguageModel):
+    display_name = "Qwen3.5"  # what a refusal calls it
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         # NOTE: its Gated DeltaNet layers and their per-request state are not sharded.
-        refuse_tensor_parallel("Qwen3.5 (hybrid Gated DeltaNet)")
+        refuse_tensor_parallel(f"{self.display_name} (hybrid Gated DeltaNet)")
         super().__init__(config)
         family = config.family_config
         assert isinstance(family, Qwen35FamilyConfig), "parsed by vlmserve.families.qwen3_5.config"
@@ -81,6 +83,8 @@ class Qwen35ForConditionalGeneration(VisionLanguageModel):
 
 class Qwen35MoeForConditionalGeneration(Qwen35ForConditionalGeneration):
     """The same model with a routed mixture of experts and a shared expert in every layer."""
+
+    display_name = "Qwen3.5-MoE"
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         assert isinstance(config.family_config, Qwen35FamilyConfig) and config.family_config.moe is not None
