@@ -14,7 +14,7 @@ import argparse
 import difflib
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,24 +151,31 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
     _box_convention_argument(p)
 
 
-def _and(names: list[str]) -> str:
-    """a; a and b; a, b and c."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+class _RegisteredConventions:
+    """--box-convention's choices: the registered families' grounding conventions, by name, looked
+    up only when argparse checks a value given or prints the help (the registry imports torch,
+    which parsing a command line does not need)."""
+
+    def _names(self) -> list[str]:
+        from vlmserve.registry import GROUNDING_CONVENTIONS
+
+        return list(GROUNDING_CONVENTIONS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
 
 
 def _box_convention_argument(p: argparse.ArgumentParser) -> None:
-    """--box-convention: the conventions of the registered families, each named with its scale."""
-    from vlmserve.registry import GROUNDING_CONVENTIONS
-
-    by_scale: dict[str, list[str]] = {}
-    for convention in GROUNDING_CONVENTIONS.values():
-        by_scale.setdefault(convention.scale, []).append(convention.name)
-    scales = ", ".join(f"{_and(names)} {scale}" for scale, names in by_scale.items())
     p.add_argument(
         "--box-convention",
-        choices=list(GROUNDING_CONVENTIONS),
+        choices=_RegisteredConventions(),
+        metavar="NAME",  # not the choices: listing them would look them up as the parser is built
         default=None,
-        help=f"how the model writes boxes (default: its family's, from the checkpoint's model_type): {scales}",
+        help="how the model writes boxes, by the name of a family's convention: %(choices)s (default: the "
+        "model's family's, from its model_type; vlmserve/grounding.py says each one's syntax and scale)",
     )
 
 
