@@ -4,7 +4,9 @@ implementation loaded on the same files."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -12,6 +14,9 @@ import torch
 from PIL import Image
 
 from vlmserve.families.qwen2_vl.tiny import TinySpec, write_tiny_qwen2_vl
+
+if TYPE_CHECKING:
+    from tests.serve.conftest import Server
 
 torch.set_num_threads(2)
 
@@ -228,3 +233,74 @@ def hf3_moe_model(tiny3_moe_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     return Qwen3VLMoeForConditionalGeneration.from_pretrained(str(tiny3_moe_dir), dtype=torch.float32).eval()
+
+
+# -- Qwen3.5 -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5 (tiny.TinySpec): 4 layers, linear and full attention alternating, Qwen3-VL's tower
+    without DeepStack; tied embeddings, the published nested config."""
+    from vlmserve.families.qwen3_5.tiny import write_tiny_qwen3_5
+
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="session")
+def tiny35_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5-MoE (tiny.MOE_SPEC): 6 experts, 2 per token, and a shared expert in every layer;
+    experts one by one as published; untied."""
+    from vlmserve.families.qwen3_5.tiny import MOE_SPEC, write_tiny_qwen3_5
+
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3.5-moe", MOE_SPEC)
+
+
+@pytest.fixture(scope="session")
+def hf35_model(tiny35_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny35_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf35_moe_model(tiny35_moe_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(tiny35_moe_dir), dtype=torch.float32).eval()
+
+
+# -- servers ---------------------------------------------------------------------------------------
+# Shared by the whole session (tests/serve and the families' conformance suite): a start costs an
+# API and an engine process importing torch and loading the model. Tests on them assert on their
+# own requests only (metrics as differences, the engine's pid unchanged across their own
+# requests); a module that needs other flags or kills the engine starts its own.
+
+
+@pytest.fixture(scope="session")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from tests.serve.conftest import start_server
+
+    s = start_server(tiny_dir, tmp_path_factory.mktemp("server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen-VL-Chat with the default flags."""
+    from tests.serve.conftest import start_server
+
+    s = start_server(tiny_qwen_vl_dir, tmp_path_factory.mktemp("qwen-vl-server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen3-VL with the default flags."""
+    from tests.serve.conftest import start_server
+
+    s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
+    yield s
+    s.stop()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig
+from vlmserve.grounding import GroundingConvention
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.processor.base import ProcessingInfo, Processor, ProcessorLimits, RenderedChat
 
@@ -50,8 +51,8 @@ class ModelFamily:
     render_chat: Callable[[Any, list[dict[str, Any]], bool, str | None, dict[str, Any]], RenderedChat]
     # Token ids that end generation besides generation_config.json's eos (e.g. chat stop words).
     extra_eos_token_ids: Callable[[Any], list[int]]
-    # How the model writes boxes: a vlmserve.grounding convention name.
-    grounding_convention: str
+    # How the model writes boxes: its syntax and scale (vlmserve.grounding).
+    grounding: GroundingConvention
     # Write a tiny random-weight checkpoint in the published layout:
     # write_tiny(out_dir, seed=, num_shards=, preset=, nested_config=, untied=) -> the directory;
     # ValueError for an option the family does not have.
@@ -62,3 +63,8 @@ class ModelFamily:
     adapter_name: str
     # The transformers class of the same architecture (the benchmark's reference), if it has one.
     transformers_class: str | None = None
+
+    @property
+    def grounding_convention(self) -> str:
+        """The grounding convention's name (what the server's responses say)."""
+        return self.grounding.name

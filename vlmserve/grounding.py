@@ -1,19 +1,18 @@
 """Grounding boxes from generated text, mapped to the pixels of the image the user sent.
 
-Each Qwen generation writes boxes its own way:
-  - "qwen-vl" (Qwen-VL-Chat): `<ref>dog</ref><box>(x1,y1),(x2,y2)</box>`, coordinates on a 0..1000
-    scale of the image's width and height;
-  - "qwen2-vl": the same on the same scale with special tokens,
-    `<|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`. The tokens
-    are special: the text only holds them when decoded with skip_special_tokens=False;
-  - "qwen2.5-vl": absolute pixels of the RESIZED image (the one smart_resize made and the model
-    saw), usually as JSON: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}] or {"point_2d": [x, y]};
-  - "qwen3-vl": Qwen2.5-VL's JSON, its numbers back on the 0..1000 scale of the image's width and
-    height (relative again, whatever size the image was resized to).
-
-Every syntax is recognised in any text; the convention only says which scale the numbers are on:
-0..1000 maps as x * original_w / 1000, absolute as x * original_w / resized_w. The processor
-records both sizes per image (RequestOutput.mm_items; the server's `vlmserve.mm_items`).
+Each model family writes boxes its own way, and says how in its entry (vlmserve/family.py's
+ModelFamily.grounding, a GroundingConvention; vlmserve.registry finds one by name or by model):
+  - its tagged syntax, if it has one: Qwen-VL-Chat's `<ref>dog</ref><box>(x1,y1),(x2,y2)</box>`,
+    or the special tokens of the Qwen2 vocabulary,
+    `<|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>` (in the
+    text only when decoded with skip_special_tokens=False);
+  - its scale: "normalized", 0..1000 of the original image's width and height (Qwen-VL-Chat,
+    Qwen2-VL, Qwen3-VL), or "resized_pixels", absolute pixels of the RESIZED image, the one
+    smart_resize made and the model saw (Qwen2.5-VL).
+JSON answers ([{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}] or {"point_2d": [x, y]}) are read
+in every convention. 0..1000 maps as x * original_w / 1000, absolute as x * original_w /
+resized_w. The processor records both sizes per image (RequestOutput.mm_items; the server's
+`vlmserve.mm_items`).
 
 Worked example (seed 000): Qwen-VL-Chat answers `<ref>击掌</ref><box>(517,508),(589,611)</box>`
 about a 2048 x 1365 photo: x1 = 517 / 1000 * 2048 = 1058.8, y1 = 508 / 1000 * 1365 = 693.4.
@@ -40,9 +39,32 @@ from typing import Any, Literal
 
 from PIL import Image, ImageDraw, ImageFont
 
-Convention = Literal["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
-CONVENTIONS: tuple[Convention, ...] = ("qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 NORMALIZED_SCALE = 1000.0  # the 0..1000 conventions
+
+
+@dataclass(frozen=True)
+class BoxTags:
+    """A tagged syntax: the strings that open and close a label (ref), a box and a quadrilateral."""
+
+    ref: tuple[str, str]
+    box: tuple[str, str]
+    quad: tuple[str, str]
+
+
+@dataclass(frozen=True)
+class GroundingConvention:
+    """How a model family writes boxes; its entry (vlmserve/family.py) carries it."""
+
+    name: str  # what the server's `vlmserve.grounding_convention` and `--box-convention` call it
+    # "normalized": 0..1000 of the original image's width and height; "resized_pixels": pixels of
+    # the image as resized for the model.
+    coordinates: Literal["normalized", "resized_pixels"]
+    tags: BoxTags | None = None  # its tagged syntax (JSON is read in every convention)
+
+    @property
+    def scale(self) -> str:
+        """The coordinates in words: "on a 0..1000 scale" or "in the resized image's pixels"."""
+        return "on a 0..1000 scale" if self.coordinates == "normalized" else "in the resized image's pixels"
 
 
 @dataclass(frozen=True)
@@ -66,7 +88,7 @@ class Box:
     y1: float
     x2: float
     y2: float
-    convention: Convention
+    convention: str  # the GroundingConvention's name
     raw: tuple[float, ...]  # the numbers as the model wrote them
     kind: Literal["box", "point", "quad"] = "box"
     clamped: bool = False  # reached past the image and was cut to it
@@ -83,25 +105,6 @@ class Box:
 # -- finding boxes in text ------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_TAGS = {
-    "qwen2-vl": (
-        "<|object_ref_start|>",
-        "<|object_ref_end|>",
-        "<|box_start|>",
-        "<|box_end|>",
-        "<|quad_start|>",
-        "<|quad_end|>",
-    ),
-    "qwen-vl": ("<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>"),
-}
-_TAGGED = [
-    re.compile(
-        rf"{re.escape(rs)}(?P<ref>.*?){re.escape(re_)}|{re.escape(bs)}(?P<box>.*?){re.escape(be)}"
-        rf"|{re.escape(qs)}(?P<quad>.*?){re.escape(qe)}",
-        re.DOTALL,
-    )
-    for rs, re_, bs, be, qs, qe in _TAGS.values()
-]
 # Between a ref and its boxes, or between two boxes of one ref, only separators may stand.
 _SEPARATOR = re.compile(r"[\s,;，、]*")
 _BOX_KEYS = ("bbox_2d", "bbox")
@@ -113,39 +116,47 @@ _LOOSE_COORDS = re.compile(r"""["']?(bbox_2d|bbox|point_2d)["']?\s*:\s*\[([^\[\]
 _LOOSE_LABEL = re.compile(r"""["']?(?:label|text_content|name|text)["']?\s*:\s*["']([^"'\n]*)["']""")
 
 
-def find_boxes(text: str) -> list[RawBox]:
-    """Every box and point in `text`, in the order written, in any syntax."""
-    found = [*_find_tagged(text), *_find_json(text)]
-    return sorted(found, key=lambda b: b.start)
+def find_boxes(text: str, tags: Sequence[BoxTags] = ()) -> list[RawBox]:
+    """Every box and point in `text`, in the order written: in JSON, and in each tagged syntax of `tags`."""
+    found = [box for syntax in tags for box in _find_tagged(text, syntax)]
+    return sorted([*found, *_find_json(text)], key=lambda b: b.start)
+
+
+def _tag_pattern(tags: BoxTags) -> re.Pattern[str]:
+    (rs, re_), (bs, be), (qs, qe) = tags.ref, tags.box, tags.quad
+    return re.compile(
+        rf"{re.escape(rs)}(?P<ref>.*?){re.escape(re_)}|{re.escape(bs)}(?P<box>.*?){re.escape(be)}"
+        rf"|{re.escape(qs)}(?P<quad>.*?){re.escape(qe)}",
+        re.DOTALL,
+    )
 
 
 def _numbers(text: str) -> list[float]:
     return [float(n) for n in _NUMBER.findall(text)]
 
 
-def _find_tagged(text: str) -> Iterator[RawBox]:
-    for pattern in _TAGGED:
-        label: str | None = None
-        attach_from = 0  # a box directly after this offset belongs to `label`
-        for m in pattern.finditer(text):
-            if m.group("ref") is not None:
-                label, attach_from = m.group("ref").strip() or None, m.end()
-                continue
-            if label is not None and not _SEPARATOR.fullmatch(text, attach_from, m.start()):
-                label = None
-            attach_from = m.end()
-            if m.group("quad") is not None:
-                corners = _numbers(m.group("quad"))
-                if len(corners) == 8:
-                    yield RawBox(label, tuple(corners), "quad", m.start())
-                label = None  # a ref names one quad; a box after it is its own
-                continue
-            values = _numbers(m.group("box"))
-            if len(values) == 2:
-                yield RawBox(label, tuple(values), "point", m.start())
-            elif values and len(values) % 4 == 0:  # several boxes in one tag: one per 4 numbers
-                for i in range(0, len(values), 4):
-                    yield RawBox(label, tuple(values[i : i + 4]), "box", m.start())
+def _find_tagged(text: str, tags: BoxTags) -> Iterator[RawBox]:
+    label: str | None = None
+    attach_from = 0  # a box directly after this offset belongs to `label`
+    for m in _tag_pattern(tags).finditer(text):
+        if m.group("ref") is not None:
+            label, attach_from = m.group("ref").strip() or None, m.end()
+            continue
+        if label is not None and not _SEPARATOR.fullmatch(text, attach_from, m.start()):
+            label = None
+        attach_from = m.end()
+        if m.group("quad") is not None:
+            corners = _numbers(m.group("quad"))
+            if len(corners) == 8:
+                yield RawBox(label, tuple(corners), "quad", m.start())
+            label = None  # a ref names one quad; a box after it is its own
+            continue
+        values = _numbers(m.group("box"))
+        if len(values) == 2:
+            yield RawBox(label, tuple(values), "point", m.start())
+        elif values and len(values) % 4 == 0:  # several boxes in one tag: one per 4 numbers
+            for i in range(0, len(values), 4):
+                yield RawBox(label, tuple(values[i : i + 4]), "box", m.start())
 
 
 def _find_json(text: str) -> Iterator[RawBox]:
@@ -226,18 +237,16 @@ def _from_object(obj: dict[str, Any], start: int) -> RawBox | None:
 
 
 def to_original(
-    raw: RawBox, convention: Convention, original_size: tuple[int, int], resized_size: tuple[int, int]
+    raw: RawBox, convention: GroundingConvention, original_size: tuple[int, int], resized_size: tuple[int, int]
 ) -> Box:
     """Map one box to the original image's pixels (sizes are (width, height))."""
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown box convention {convention!r}; expected one of {list(CONVENTIONS)}")
     width, height = original_size
-    if convention == "qwen2.5-vl":
+    if convention.coordinates == "resized_pixels":
         sx, sy = width / resized_size[0], height / resized_size[1]
     else:
         sx, sy = width / NORMALIZED_SCALE, height / NORMALIZED_SCALE
     if raw.kind == "quad":
-        return _quad_to_original(raw, convention, (width, height), sx, sy)
+        return _quad_to_original(raw, convention.name, (width, height), sx, sy)
     if raw.kind == "point":
         x, y = raw.values
         x1 = x2 = x * sx
@@ -258,7 +267,7 @@ def to_original(
         y1=cy1,
         x2=cx2,
         y2=cy2,
-        convention=convention,
+        convention=convention.name,
         raw=raw.values,
         kind=raw.kind,
         clamped=clamped,
@@ -268,7 +277,7 @@ def to_original(
     )
 
 
-def _quad_to_original(raw: RawBox, convention: Convention, size: tuple[int, int], sx: float, sy: float) -> Box:
+def _quad_to_original(raw: RawBox, convention: str, size: tuple[int, int], sx: float, sy: float) -> Box:
     width, height = size
     mapped = [(raw.values[i] * sx, raw.values[i + 1] * sy) for i in range(0, 8, 2)]
     corners = tuple((min(max(x, 0.0), float(width)), min(max(y, 0.0), float(height))) for x, y in mapped)
@@ -297,14 +306,17 @@ def _quad_to_original(raw: RawBox, convention: Convention, size: tuple[int, int]
 
 
 def parse_boxes(
-    text: str, convention: Convention, original_size: tuple[int, int], resized_size: tuple[int, int]
+    text: str, convention: GroundingConvention, original_size: tuple[int, int], resized_size: tuple[int, int]
 ) -> list[Box]:
-    """The boxes and points in generated text, in the original image's pixels.
+    """The boxes and points in generated text (JSON, and the convention's tagged syntax), in the
+    original image's pixels. The convention of a server's answer: vlmserve.registry's
+    grounding_convention(response's `vlmserve.grounding_convention`).
 
     original_size and resized_size are (width, height): RequestOutput.mm_items[i] (offline) or
     the response's `vlmserve.mm_items[i]` (server). With several images, which image a box is on is
     for the caller to say; the text does not."""
-    return [to_original(raw, convention, original_size, resized_size) for raw in find_boxes(text)]
+    tags = [] if convention.tags is None else [convention.tags]
+    return [to_original(raw, convention, original_size, resized_size) for raw in find_boxes(text, tags)]
 
 
 def format_boxes(boxes: Sequence[Box], original_size: tuple[int, int], resized_size: tuple[int, int]) -> list[str]:
@@ -425,7 +437,7 @@ def save_boxes_png(image: Image.Image, boxes: Sequence[Box], path: str | Path) -
 def draw_answer(
     text: str,
     image: Image.Image,
-    convention: Convention,
+    convention: GroundingConvention,
     resized_size: tuple[int, int],
     path: str | Path,
 ) -> tuple[list[Box], list[str]]:

@@ -12,7 +12,7 @@ from vlmserve.families.qwen3_5.family import QWEN3_5, QWEN3_5_MOE
 from vlmserve.families.qwen3_vl.family import QWEN3_VL, QWEN3_VL_MOE
 from vlmserve.families.qwen_vl.family import QWEN_VL
 from vlmserve.family import ModelFamily
-from vlmserve.grounding import CONVENTIONS
+from vlmserve.grounding import GroundingConvention
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, QWEN_VL)
 
@@ -20,6 +20,8 @@ BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 # model_type -> the family a config.json without `architectures` means.
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 BY_NAME = {f.name: f for f in FAMILIES}
+# Every family's way of writing boxes, by name (families may share one).
+GROUNDING_CONVENTIONS = {f.grounding.name: f.grounding for f in FAMILIES}
 
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
@@ -43,11 +45,20 @@ def family_of(config: ModelConfig) -> ModelFamily:
     return family
 
 
-def convention_for_model(model_type: str) -> str:
+def grounding_convention(name: str) -> GroundingConvention:
+    """The box convention (vlmserve.grounding) a server's response or `--box-convention` names."""
+    convention = GROUNDING_CONVENTIONS.get(name)
+    if convention is None:
+        raise ValueError(f"unknown box convention {name!r}; expected one of {list(GROUNDING_CONVENTIONS)}")
+    return convention
+
+
+def convention_for_model(model_type: str) -> GroundingConvention:
     """The box convention (vlmserve.grounding) of a checkpoint's model_type (config.json)."""
     family = BY_MODEL_TYPE.get(model_type)
     if family is None:
         raise ValueError(
-            f"no known box convention for model_type {model_type!r}; name one of {list(CONVENTIONS)} explicitly"
+            f"no known box convention for model_type {model_type!r}; "
+            f"name one of {list(GROUNDING_CONVENTIONS)} explicitly"
         )
-    return family.grounding_convention
+    return family.grounding

@@ -82,6 +82,19 @@ def test_an_abbreviated_option_is_refused_not_guessed() -> None:
     assert line.startswith("vlmserve chat: error: unrecognized arguments: --imag")
 
 
+def test_parsing_a_chat_command_line_imports_no_torch() -> None:
+    """What is cheap to check is checked before torch is imported: --box-convention's choices
+    (the registered families' conventions) are looked up only for a value given or the help."""
+    code = (
+        "import sys; from vlmserve.entrypoints.cli import command_parser; "
+        "command_parser('chat').parse_args(['hi', '--draw-boxes', 'x.png']); print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout == "False\n", result.stderr
+    line = one_error_line(vlmserve("chat", "--box-convention", "qwen9-vl", "hi"), 2)
+    assert "invalid choice: 'qwen9-vl' (choose from 'qwen2-vl', 'qwen2.5-vl', 'qwen3-vl', 'qwen-vl')" in line
+
+
 def test_a_bad_option_value_is_named() -> None:
     line = one_error_line(vlmserve("serve", "--port", "70000"), 2)
     assert "argument --port: must be a TCP port, 1..65535, got 70000" in line

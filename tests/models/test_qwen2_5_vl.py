@@ -394,8 +394,7 @@ def llm(tiny25_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     "case",
     [
-        ("image", chat(IMAGE, "What is in this image?"), [(10, 6, 8)]),
-        ("two images", chat(IMAGE, IMAGE, "Which is darker?"), [(8, 12, 9), (14, 14, 10)]),
+        # Images alone: the families' conformance suite (tests/families).
         ("video", chat(VIDEO, "What happens?"), [SHORT_VIDEO]),
         ("image and video", chat(IMAGE, VIDEO, "Same place?"), [(8, 12, 11), SHORT_VIDEO]),
     ],

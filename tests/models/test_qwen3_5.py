@@ -1,9 +1,10 @@
 """Qwen3.5 (Gated DeltaNet + gated full attention, a per-request state cache) against
 transformers 5.23 on the same tiny checkpoint files: config parsing, the delta rule and causal
-conv against transformers' torch fallbacks (state carried across chunks), float32 logits through
-a prefill split into chunks plus decode steps, and greedy tokens through the engine: batched and
-alone, a batch of 16 of mixed lengths, preemption and resume, prefix caching (reuse only up to a
-block whose state is cached), memory planning that counts the state slots."""
+conv against transformers' torch fallbacks (state carried across chunks), and through the
+engine: a batch of 16 of mixed lengths, preemption and resume, prefix caching (reuse only up to a
+block whose state is cached), memory planning that counts the state slots. Float32 logits through
+a chunked prefill plus decode steps, and greedy tokens batched, alone and cached, are the
+families' conformance suite's (tests/families)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ from tests.engine.test_preemption_multimodal import (
     start_trace,
 )
 from tests.model_harness import Harness
-from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids
+from tests.reference import hf_mm_prompt_ids
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.families.qwen3_5 import deltanet
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
-from vlmserve.families.qwen3_5.tiny import write_tiny_qwen3_5
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.processor.base import ImageInput
 from vlmserve.registry import load_model_config, parse_model_config
@@ -47,18 +47,6 @@ def chat(*parts: str) -> str:
 
 def image(grid_h: int, grid_w: int, seed: int) -> Image.Image:
     return random_image(16 * grid_w, 16 * grid_h, seed=seed)
-
-
-@pytest.fixture(scope="module")
-def tiny35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_5(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3.5")
-
-
-@pytest.fixture(scope="module")
-def hf35_model(tiny35_dir: Path):  # type: ignore[no-untyped-def]
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    return Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny35_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -202,72 +190,7 @@ def test_causal_conv_carries_its_window_across_chunks_and_steps() -> None:
     assert (torch.cat([first, second, *steps]) - ref).abs().max().item() < 1e-6
 
 
-# -- logits ---------------------------------------------------------------------------------------
-
-CASES = {
-    "one image": (chat(IMAGE, "What is this?"), [(14, 20, 1)]),
-    "two images": (chat(IMAGE, "and", IMAGE, "compare them"), [(16, 16, 2), (22, 14, 3)]),
-    "text only": (chat("Tell me a story about a lighthouse that stands alone by a grey and restless sea."), []),
-}
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("case", list(CASES))
-def test_chunked_prefill_and_decode_logits_match_transformers_float32(  # type: ignore[no-untyped-def]
-    case: str, tiny35_dir: Path, harness: Harness, hf35_model
-) -> None:
-    """The prompt in three chunks of uneven sizes (ending inside images), then four decode steps,
-    against transformers' one forward over prompt and continuation."""
-    text, sizes = CASES[case]
-    pictures = [image(*size) for size in sizes]
-    engine_processor = make_engine(tiny35_dir, kv_cache_memory_bytes=8 * BLOCK_SIZE * KV_BYTES_PER_TOKEN).processor
-    prompt = engine_processor.process(text, [ImageInput(p) for p in pictures])
-    ids, vision = hf_inputs(tiny35_dir, text, pictures)
-    assert ids == prompt.prompt_token_ids
-    extra = [1234, 77, 151645, 9]
-    reference = hf_mm_logits(hf35_model, ids + extra, vision)
-    n = prompt.num_tokens
-    chunks = [n // 3, n // 2 - n // 3 + 5, n - n // 2 - 5]
-    ours = harness.logits(prompt, chunks=chunks, extra=extra)
-    assert ours.shape == reference.shape
-    assert (ours - reference).abs().max().item() < 1e-4
-
-
-# -- greedy through the engine --------------------------------------------------------------------
-
-MAX_NEW = 8
-MULTI_TURN = (
-    "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n"
-    f"<|im_start|>user\n{IMAGE}Is this picture blue?<|im_end|>\n<|im_start|>assistant\n"
-)
-GREEDY_CASES = [
-    (chat(IMAGE, "What is in this image?"), [(14, 20, 8)]),
-    (chat(IMAGE, IMAGE, "Which is darker?"), [(16, 16, 9), (22, 14, 10)]),
-    (chat("Write a haiku about the sea."), []),
-    (MULTI_TURN, [(16, 18, 11)]),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parity
-def test_greedy_batched_and_alone_match_transformers_generate(tiny35_dir: Path, hf35_model) -> None:  # type: ignore[no-untyped-def]
-    """Image, two images, text only and multi-turn in one call (a 64-token budget: image prompts
-    prefilled in chunks while others decode), then each alone: transformers' tokens both times."""
-    engine = make_engine(tiny35_dir)
-    prompts: dict[str, ProcessedPrompt] = {}
-    expected = {}
-    for i, (text, sizes) in enumerate(GREEDY_CASES):
-        pictures = [image(*size) for size in sizes]
-        prompts[f"p{i}"] = engine.processor.process(text, [ImageInput(p) for p in pictures])
-        ids, vision = hf_inputs(tiny35_dir, text, pictures)
-        assert ids == prompts[f"p{i}"].prompt_token_ids
-        expected[f"p{i}"] = hf_mm_greedy(hf35_model, ids, vision, MAX_NEW)
-    batched = run(engine, prompts, MAX_NEW)
-    assert {k: o.outputs[0].token_ids for k, o in batched.items()} == expected
-    for key, prompt in prompts.items():
-        alone = run(engine, {key: prompt}, MAX_NEW)
-        assert alone[key].outputs[0].token_ids == expected[key]
-    assert engine.kv.groups[0].slots.num_free == engine.kv.groups[0].slots.num_slots
+# -- greedy through the engine (batched and alone: the families' conformance suite) --------------
 
 
 def test_a_batch_of_16_mixed_lengths_gives_each_its_tokens_alone(tiny35_dir: Path) -> None:

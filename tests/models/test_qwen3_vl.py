@@ -1,7 +1,9 @@
-"""Qwen3-VL and Qwen3-VL-MoE against transformers 5.23 on the same tiny checkpoint files: the
-vision tower and its DeepStack features, interleaved M-RoPE, float32 logits for images of several
-sizes, prefill chunks that end inside an image (DeepStack features split across steps), the MoE
-router and experts, and greedy tokens through the engine, batched and alone."""
+"""Qwen3-VL and Qwen3-VL-MoE against transformers 5.23 on the same tiny checkpoint files: configs,
+the vision tower and its DeepStack features, interleaved M-RoPE, a missing expert named, videos
+(logits chunked inside a timestamped span, greedy tokens through the offline API), make-tiny.
+Float32 logits for images of several sizes and prefill chunks that end inside them (DeepStack
+features split across steps), and greedy tokens batched, alone and cached, are the families'
+conformance suite's (tests/families), for the dense model and the MoE one."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from tests.conftest import random_image, write_video
 from tests.model_harness import Harness
 from tests.published_configs import QWEN3_VL_2B, QWEN3_VL_8B, QWEN3_VL_30B_A3B
 from tests.reference import hf_mm_greedy, hf_mm_logits, hf_mm_prompt_ids, mm_token_type_ids
+from vlmserve.families.common.decoder import MRotaryEmbedding
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessor
 from vlmserve.families.qwen3_vl.config import Qwen3VLFamilyConfig
-from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary
 from vlmserve.families.qwen3_vl.tiny import PRESETS, config_json
 from vlmserve.model_files import read_json
 from vlmserve.multimodal.image import ImageProcessorConfig
@@ -138,9 +140,9 @@ def test_interleaved_mrope_matches_transformers() -> None:
     reference = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(head_dim=128, rope_parameters=rope))
     positions = torch.stack([torch.arange(50) * 3, torch.arange(50) % 7 + 100, torch.arange(50) // 5 + 200])
     cos, sin = reference(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
-    ours_cos, ours_sin = InterleavedMRotary(128, 5e6, (24, 20, 20), interleaved=True)(positions, torch.float32)
+    ours_cos, ours_sin = MRotaryEmbedding(128, 5e6, (24, 20, 20), interleaved=True)(positions, torch.float32)
     assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
-    sectioned, _ = InterleavedMRotary(128, 5e6, (24, 20, 20), interleaved=False)(positions, torch.float32)
+    sectioned, _ = MRotaryEmbedding(128, 5e6, (24, 20, 20), interleaved=False)(positions, torch.float32)
     assert not torch.allclose(sectioned, cos[0], atol=1e-3)  # the layouts differ where t, h, w differ
 
 
@@ -175,75 +177,6 @@ def test_a_video_encodes_frame_by_frame(harness: Harness) -> None:
     assert torch.equal(whole, frames)
 
 
-# -- logits ---------------------------------------------------------------------------------------
-
-IMAGE_CASES = {
-    "one image 14x20": (chat(IMAGE, "What is this?"), [(14, 20, 1)]),
-    "two images 16x16 and 22x14": (chat(IMAGE, "and", IMAGE, "compare them"), [(16, 16, 2), (22, 14, 3)]),
-    "text only": (chat("Tell me a story about a lighthouse."), []),
-}
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("case", list(IMAGE_CASES))
-def test_logits_match_transformers_float32(case: str, tiny3_dir: Path, harness: Harness, hf3_model) -> None:  # type: ignore[no-untyped-def]
-    text, sizes = IMAGE_CASES[case]
-    pictures = [image(*size) for size in sizes]
-    prompt = process(tiny3_dir, text, pictures)
-    assert [item.grid_thw[1:] for item in prompt.mm_items] == [size[:2] for size in sizes]
-    ids, vision = hf_inputs(tiny3_dir, text, pictures)
-    assert ids == prompt.prompt_token_ids
-    if pictures:
-        positions, delta = hf3_model.model.get_rope_index(
-            torch.tensor([ids]), mm_token_type_ids(torch.tensor([ids])), vision["image_grid_thw"]
-        )
-        assert torch.equal(positions[:, 0], prompt.mrope_positions) and int(delta) == prompt.mrope_delta
-    reference = hf_mm_logits(hf3_model, ids, vision)
-    ours = harness.logits(prompt)
-    assert ours.shape == reference.shape
-    assert (ours - reference).abs().max().item() < 1e-4
-
-
-def _chunked_case(model_dir: Path, model: Harness, hf) -> float:  # type: ignore[no-untyped-def]
-    """Two images; prefill chunks ending inside each (the DeepStack features of one image added
-    in two steps), then four decode steps, against transformers' single forward."""
-    text = chat("Look:", IMAGE, "then", IMAGE, "which is brighter?")
-    pictures = [image(14, 20, 4), image(16, 16, 5)]
-    prompt = process(model_dir, text, pictures)
-    first, second = prompt.mm_items
-    extra = [1234, 77, 151645, 9]
-    ids, vision = hf_inputs(model_dir, text, pictures)
-    reference = hf_mm_logits(hf, ids + extra, vision)
-    chunks = [first.offset + 13, 30, second.offset + 40 - first.offset - 43]
-    chunks.append(prompt.num_tokens - sum(chunks))
-    bounds = [sum(chunks[: i + 1]) for i in range(len(chunks))]
-    assert first.offset < bounds[0] < bounds[1] < first.end and second.offset < bounds[2] < second.end
-    ours = model.logits(prompt, chunks=chunks, extra=extra)
-    assert ours.shape == reference.shape
-    return (ours - reference).abs().max().item()
-
-
-@pytest.mark.parity
-def test_chunks_ending_inside_images_then_decode_match_transformers(
-    tiny3_dir: Path, harness: Harness, hf3_model
-) -> None:  # type: ignore[no-untyped-def]
-    assert _chunked_case(tiny3_dir, harness, hf3_model) < 1e-4
-
-
-@pytest.mark.parity
-def test_moe_logits_match_transformers_float32(tiny3_moe_dir: Path, moe_harness: Harness, hf3_moe_model) -> None:  # type: ignore[no-untyped-def]
-    text, sizes = IMAGE_CASES["two images 16x16 and 22x14"]
-    pictures = [image(*size) for size in sizes]
-    prompt = process(tiny3_moe_dir, text, pictures)
-    ids, vision = hf_inputs(tiny3_moe_dir, text, pictures)
-    assert (moe_harness.logits(prompt) - hf_mm_logits(hf3_moe_model, ids, vision)).abs().max().item() < 1e-4
-
-
-@pytest.mark.parity
-def test_moe_chunked_and_decoded_match_transformers(tiny3_moe_dir: Path, moe_harness: Harness, hf3_moe_model) -> None:  # type: ignore[no-untyped-def]
-    assert _chunked_case(tiny3_moe_dir, moe_harness, hf3_moe_model) < 1e-4
-
-
 def test_missing_expert_weight_is_named(tiny3_moe_dir: Path, tmp_path: Path) -> None:
     import json
     import shutil
@@ -266,7 +199,7 @@ def test_missing_expert_weight_is_named(tiny3_moe_dir: Path, tmp_path: Path) -> 
         Harness(broken)
 
 
-# -- greedy decoding through the engine ----------------------------------------------------------
+# -- greedy decoding (what test_qwen3_vl_moe_checkpoints.py runs) -------------------------------
 
 MAX_NEW = 8
 GREEDY_CASES = [
@@ -274,40 +207,6 @@ GREEDY_CASES = [
     (chat(IMAGE, IMAGE, "Which is darker?"), [(16, 16, 9), (22, 14, 10)]),
     (chat("Write a haiku about the sea."), []),
 ]
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("arch", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
-def test_greedy_batched_and_alone_match_transformers_generate(  # type: ignore[no-untyped-def]
-    arch: str, request: pytest.FixtureRequest
-) -> None:
-    """Several prompts in one generate call (batched by the scheduler, a small token budget so the
-    image prompts are prefilled in chunks), then each alone: transformers' tokens both times."""
-    from vlmserve import LLM, SamplingParams
-
-    model_dir = request.getfixturevalue("tiny3_dir" if arch == "dense" else "tiny3_moe_dir")
-    hf = request.getfixturevalue("hf3_model" if arch == "dense" else "hf3_moe_model")
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=1024,
-        max_num_batched_tokens=96,
-        kv_cache_memory_gib=0.02,
-        limit_mm_per_prompt={"image": 2},
-    )
-    prompts, expected = [], []
-    for text, sizes in GREEDY_CASES:
-        pictures = [image(*size) for size in sizes]
-        prompt = process(model_dir, text, pictures)
-        ids, vision = hf_inputs(model_dir, text, pictures)
-        assert ids == prompt.prompt_token_ids
-        prompts.append(prompt)
-        expected.append(hf_mm_greedy(hf, ids, vision, MAX_NEW))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    batched = [out.outputs[0].token_ids for out in llm._run(prompts, [params] * len(prompts))]
-    assert batched == expected
-    alone = [out.outputs[0].token_ids for prompt in prompts for out in llm._run([prompt], [params])]
-    assert alone == expected
 
 
 # -- video ----------------------------------------------------------------------------------------

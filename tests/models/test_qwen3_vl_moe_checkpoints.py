@@ -25,7 +25,7 @@ from vlmserve.families.qwen3_vl.tiny import (
     TinySpec,
     config_json,
     random_weights,
-    write_checkpoint,
+    write_qwen3_vl_files,
     write_tiny_qwen3_vl,
 )
 from vlmserve.model_files import iterate_weights, read_json, safetensors_files, weight_names
@@ -50,7 +50,7 @@ def as_transformers_5_saves_it(
         name: t.transpose(1, 2).contiguous() if name.endswith(STACKED) and name not in keep else t
         for name, t in iterate_weights(published)
     }
-    return write_checkpoint(out, config, weights, {"from": str(published)})
+    return write_qwen3_vl_files(out, config, weights, {"from": str(published)})
 
 
 def stored_shape(model_dir: Path, name: str) -> tuple[int, ...]:

@@ -10,12 +10,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 from PIL import Image
 
 from tests.conftest import random_image
@@ -136,23 +134,8 @@ def start_server(
     return server
 
 
-# The default servers are shared by the whole session: a start costs an API and an engine process
-# importing torch and loading the model. Tests on them assert on their own requests only (metrics
-# as differences, the engine's pid unchanged across their own requests); a module that needs other
-# flags or kills the engine starts its own.
-@pytest.fixture(scope="session")
-def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tiny_dir, tmp_path_factory.mktemp("server"))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="session")
-def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Qwen-VL-Chat with the default flags."""
-    s = start_server(tiny_qwen_vl_dir, tmp_path_factory.mktemp("qwen-vl-server"))
-    yield s
-    s.stop()
+# The default servers (`server`: Qwen2-VL, `qwen_server`: Qwen-VL-Chat, `qwen3_server`: Qwen3-VL)
+# are session fixtures in tests/conftest.py, shared with the families' conformance suite.
 
 
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:

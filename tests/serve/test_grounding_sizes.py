@@ -10,6 +10,7 @@ import pytest
 
 from tests.serve.conftest import Server, data_url, picture
 from vlmserve.grounding import parse_boxes
+from vlmserve.registry import grounding_convention
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_chat_response_carries_the_sizes(client: openai.OpenAI) -> None:
     item = extension["mm_items"][1]
     (box,) = parse_boxes(
         "<|box_start|>(500,500),(1000,1000)<|box_end|>",
-        extension["grounding_convention"],
+        grounding_convention(extension["grounding_convention"]),
         tuple(item["original_size"]),
         tuple(item["resized_size"]),
     )

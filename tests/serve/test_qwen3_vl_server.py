@@ -1,17 +1,17 @@
 """Qwen3-VL through the real server: the official openai client gets the offline API's tokens
-(and top logprobs) for an image request and a video request (the video's timestamped spans and
-DeepStack features cross the process boundary as the offline engine has them)."""
+(and top logprobs) for a video request (the video's timestamped spans and DeepStack features
+cross the process boundary as the offline engine has them). An image request, for every family,
+is the families' conformance suite's (tests/families)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.conftest import write_video
-from tests.serve.conftest import Server, data_url, image_message, picture, start_server
+from tests.serve.conftest import Server
 from tests.serve.test_video_server import (
     ask,
     assert_same_answer,
@@ -24,13 +24,6 @@ from vlmserve import LLM
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def client(qwen3_server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=qwen3_server.url + "/v1", api_key=qwen3_server.api_key, max_retries=0, timeout=120)
 
@@ -40,11 +33,6 @@ def offline(tiny3_dir: Path) -> LLM:
     return LLM(
         tiny3_dir, dtype="float32", max_model_len=4096, kv_cache_memory_gib=0.05, limit_mm_per_prompt={"image": 3}
     )
-
-
-def test_an_image_request_is_answered_as_offline(client: openai.OpenAI, offline: LLM) -> None:
-    messages = image_message(data_url(picture(seed=3, size=(300, 200))))
-    assert_same_answer(served(ask(client, messages, 6)), offline_answer(offline, messages, 6)[0])
 
 
 def test_a_video_request_is_answered_as_offline(client: openai.OpenAI, offline: LLM) -> None:

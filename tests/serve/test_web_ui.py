@@ -21,6 +21,7 @@ import pytest
 
 from tests.serve.conftest import API_KEY, Server
 from vlmserve.grounding import parse_boxes
+from vlmserve.registry import grounding_convention
 
 REPO = Path(__file__).resolve().parents[2]
 PICTURE = REPO / "examples" / "sunset.png"
@@ -133,7 +134,7 @@ def _same_boxes_as_python(browser: Any, original: tuple[int, int], resized: tupl
             list(original),
             list(resized),
         )
-        expected = parse_boxes(text, convention, original, resized)  # type: ignore[arg-type]
+        expected = parse_boxes(text, grounding_convention(convention), original, resized)
         assert [(b["label"], b["kind"]) for b in shown] == [(b.label, b.kind) for b in expected], text
         assert [[b[k] for k in ("x1", "y1", "x2", "y2")] for b in shown] == [
             pytest.approx(list(b.xyxy)) for b in expected
@@ -172,7 +173,10 @@ def test_page_shows_the_api_answer_image_tokens_and_boxes(server: Server, tmp_pa
         assert browser.execute_script("return arguments[0].querySelector('.text').textContent", answer) == FORCED
         width, height = item["original_size"]
         (mapped,) = parse_boxes(
-            FORCED, reference["vlmserve"]["grounding_convention"], (width, height), tuple(item["resized_size"])
+            FORCED,
+            grounding_convention(reference["vlmserve"]["grounding_convention"]),
+            (width, height),
+            tuple(item["resized_size"]),
         )
         expected = mapped.xyxy  # Python's mapping: (198.4, 60, 259.2, 122) in the 320 x 200 picture
         (box,) = answer.find_elements("css selector", ".grounding .box")

@@ -13,13 +13,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any
 
 from vlmserve.arg_types import parallel_options
 
 if TYPE_CHECKING:
     from vlmserve import LLM
-    from vlmserve.grounding import Convention
+    from vlmserve.grounding import GroundingConvention
     from vlmserve.outputs import MultiModalItemInfo
 
 logger = logging.getLogger("vlmserve.chat")
@@ -192,14 +192,17 @@ def run(args: argparse.Namespace, model: str | None, question: str | None) -> in
     return chat.loop(sys.stdin)
 
 
-def _box_convention(llm: LLM, args: argparse.Namespace) -> Convention:
-    from vlmserve.registry import convention_for_model
+def _box_convention(llm: LLM, args: argparse.Namespace) -> GroundingConvention:
+    """--box-convention's, or the one the model's family writes in."""
+    from vlmserve.registry import family_of, grounding_convention
 
-    return args.box_convention or cast("Convention", convention_for_model(llm.llm_engine.model_config.model_type))
+    if args.box_convention is not None:
+        return grounding_convention(args.box_convention)
+    return family_of(llm.llm_engine.model_config).grounding
 
 
 def _draw_boxes(
-    text: str, source: str, item: MultiModalItemInfo, convention: Convention, out: Path, stdout: IO[str]
+    text: str, source: str, item: MultiModalItemInfo, convention: GroundingConvention, out: Path, stdout: IO[str]
 ) -> int:
     """The answer's boxes on the latest image, in its original pixels: printed, and drawn into `out`."""
     from vlmserve.grounding import draw_answer

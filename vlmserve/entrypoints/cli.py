@@ -14,7 +14,7 @@ import argparse
 import difflib
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,12 +148,34 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
         help="parse each answer's grounding boxes, print them in the latest image's original pixels and draw them "
         "on it into this PNG (in a conversation: OUT-1.png, OUT-2.png, ... one per turn)",
     )
+    _box_convention_argument(p)
+
+
+class _RegisteredConventions:
+    """--box-convention's choices: the registered families' grounding conventions, by name, looked
+    up only when argparse checks a value given or prints the help (the registry imports torch,
+    which parsing a command line does not need)."""
+
+    def _names(self) -> list[str]:
+        from vlmserve.registry import GROUNDING_CONVENTIONS
+
+        return list(GROUNDING_CONVENTIONS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
+def _box_convention_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--box-convention",
-        choices=["qwen-vl", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"],
+        choices=_RegisteredConventions(),
+        metavar="NAME",  # not the choices: listing them would look them up as the parser is built
         default=None,
-        help="how the model writes boxes (default: from the checkpoint's model_type): qwen-vl, qwen2-vl and qwen3-vl "
-        "on a 0..1000 scale, qwen2.5-vl in the resized image's pixels",
+        help="how the model writes boxes, by the name of a family's convention: %(choices)s (default: the "
+        "model's family's, from its model_type; vlmserve/grounding.py says each one's syntax and scale)",
     )
 
 

@@ -111,9 +111,9 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model: Any, kinds: tuple[type[nn.Module], ...]) -> FusedDecode | None:
-        """For a decoder model (a Qwen2Model or Qwen3Model: layers, norm) whose layers, their
-        attention and MLP are exactly `kinds` (e.g. Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP:
-        passed in, as models/ names no family); None where the fused kernel does not apply."""
+        """For a decoder model (layers, norm) whose layers, their attention and MLP are exactly
+        `kinds` (the families' QwenDecoderLayer, QwenAttention, QwenMLP: passed in, as models/
+        names no family); None where the fused kernel does not apply."""
         layer_kind, attention_kind, mlp_kind = kinds
         if os.environ.get("VLMSERVE_FUSED_DECODE", "1") == "0" or tp_size() != 1:
             return None

@@ -70,7 +70,9 @@ def names_shapes(scene: scenes.Scene, text: str) -> bool:
 def box_hits(case: Case, text: str, size: tuple[int, int] = (PICTURE_SIZE, PICTURE_SIZE)) -> list[bool]:
     """For each shape the question asks to find, whether a box labelled with it overlaps its true
     box with IoU >= 0.5 (boxes mapped to the picture's pixels as the server and --draw-boxes map them)."""
-    boxes = {b.label: b for b in parse_boxes(text, "qwen2-vl", size, size)}
+    from vlmserve.registry import BY_NAME
+
+    boxes = {b.label: b for b in parse_boxes(text, BY_NAME["qwen2_vl"].grounding, size, size)}
     wanted = case.scene.shapes
     if case.qa.kind == "ground":
         wanted = tuple(s for s in wanted if f"Find the {s.name}." == case.qa.question)

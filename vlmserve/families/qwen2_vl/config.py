@@ -6,14 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.config import (
-    FieldAliases,
-    ModelConfig,
-    VisionConfig,
-    checkpoint_dtype,
-    parse_text_config,
-    transformers_version,
-)
+from vlmserve.config import FieldAliases, ModelConfig, VisionConfig, parse_text_config
+from vlmserve.families.common.config import vision_language_config
 
 QWEN2_VL_ARCHITECTURE = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
@@ -47,18 +41,7 @@ def _parse(raw: dict[str, Any], parse_vision: Any, default_architecture: str) ->
             f"config.json: the vision tower's output width {vision.hidden_size} must equal the language "
             f"model's hidden_size {text.hidden_size}"
         )
-    return ModelConfig(
-        model_type=raw["model_type"],
-        architecture=(raw.get("architectures") or [default_architecture])[0],
-        text=text,
-        vision=vision,
-        image_token_id=int(raw.get("image_token_id", 151655)),
-        video_token_id=int(raw.get("video_token_id", 151656)),
-        vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-        checkpoint_dtype=checkpoint_dtype(raw, text_raw),
-        transformers_version=transformers_version(raw),
-    )
+    return vision_language_config(raw, text_raw, default_architecture, text, vision)
 
 
 def _parse_vision_config(v: dict[str, Any], text_hidden_size: int) -> VisionConfig:

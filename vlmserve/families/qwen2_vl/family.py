@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any
 
+from vlmserve.families.common.entry import (
+    BOX_TOKENS,
+    INSPECT_PARTS,
+    MERGER_NAME,
+    image_processor_config,
+    no_extra_eos,
+    preset_writer,
+)
 from vlmserve.families.qwen2_vl.config import (
     QWEN2_5_VL_ARCHITECTURE,
     QWEN2_VL_ARCHITECTURE,
@@ -18,8 +25,7 @@ from vlmserve.families.qwen2_vl.model_2_5 import Qwen2_5_VLForConditionalGenerat
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessingInfo, Qwen2VLProcessor
 from vlmserve.families.qwen2_vl.tiny import PRESETS, write_tiny_qwen2_vl
 from vlmserve.family import ModelFamily, ProcessorContext
-from vlmserve.model_files import read_json
-from vlmserve.multimodal.image import ImageProcessorConfig
+from vlmserve.grounding import GroundingConvention
 from vlmserve.processor.base import RenderedChat
 from vlmserve.processor.chat import parse_chat_messages
 from vlmserve.tokenizer import Tokenizer, template_variables
@@ -29,26 +35,13 @@ RESERVED_TEMPLATE_ARGUMENTS = frozenset(
     {"messages", "add_generation_prompt", "chat_template", "bos_token", "eos_token", "pad_token", "unk_token"}
 )
 
-# The engine-wide options (LLM(mm_processor_kwargs=...)) this processor takes.
-PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
-
-
-def _image_config(ctx: ProcessorContext) -> ImageProcessorConfig:
-    unknown = set(ctx.mm_processor_kwargs) - set(PROCESSOR_OPTIONS)
-    if unknown:
-        raise ValueError(
-            f"mm_processor_kwargs: unknown keys {sorted(unknown)}; supported: {', '.join(PROCESSOR_OPTIONS)}"
-        )
-    preprocessor = read_json(ctx.model_dir / "preprocessor_config.json") | dict(ctx.mm_processor_kwargs)
-    return ImageProcessorConfig.from_dict(preprocessor)
-
 
 def make_processing_info(ctx: ProcessorContext) -> Qwen2VLProcessingInfo:
-    return Qwen2VLProcessingInfo(ctx.model_config, _image_config(ctx), ctx.limits, ctx.media_limits)
+    return Qwen2VLProcessingInfo(ctx.model_config, image_processor_config(ctx), ctx.limits, ctx.media_limits)
 
 
 def make_processor(ctx: ProcessorContext, tokenizer: Tokenizer) -> Qwen2VLProcessor:
-    return Qwen2VLProcessor(ctx.model_config, tokenizer, _image_config(ctx), ctx.limits, ctx.media_limits)
+    return Qwen2VLProcessor(ctx.model_config, tokenizer, image_processor_config(ctx), ctx.limits, ctx.media_limits)
 
 
 # How a template that takes each message's content as one string sees an image or a video.
@@ -107,40 +100,6 @@ def render_chat(
     return RenderedChat(text, images, videos)
 
 
-def _writer(arch: str) -> Any:
-    def write_tiny(
-        out_dir: str | Path,
-        *,
-        seed: int = 0,
-        num_shards: int = 1,
-        preset: str = "tiny",
-        nested_config: bool = False,
-        untied: bool = False,
-    ) -> Path:
-        if (arch, preset) not in PRESETS:
-            raise ValueError(f"no preset {preset!r}; choose one of {sorted(p for a, p in PRESETS if a == arch)}")
-        spec = dataclasses.replace(PRESETS[(arch, preset)], tie_word_embeddings=not untied)
-        return write_tiny_qwen2_vl(out_dir, spec, seed=seed, nested_config=nested_config, num_shards=num_shards)
-
-    return write_tiny
-
-
-_COMMON: dict[str, Any] = dict(
-    load_tokenizer=Tokenizer,
-    make_processing_info=make_processing_info,
-    make_processor=make_processor,
-    render_chat=render_chat,
-    extra_eos_token_ids=lambda tokenizer: [],
-    inspect_parts={
-        "embedding": "model.embed_tokens",
-        "blocks": "model.layers",
-        "final_norm": "model.norm",
-        "visual": "visual",
-        "adapter": "visual.merger",
-    },
-    adapter_name="patch merger (merger)",
-)
-
 QWEN2_VL = ModelFamily(
     architecture=QWEN2_VL_ARCHITECTURE,
     model_type="qwen2_vl",
@@ -148,21 +107,30 @@ QWEN2_VL = ModelFamily(
     display_name="Qwen2-VL",
     parse_config=parse_qwen2_vl_config,
     model_class=Qwen2VLForConditionalGeneration,
-    grounding_convention="qwen2-vl",
-    write_tiny=_writer("qwen2_vl"),
+    load_tokenizer=Tokenizer,
+    make_processing_info=make_processing_info,
+    make_processor=make_processor,
+    render_chat=render_chat,
+    extra_eos_token_ids=no_extra_eos,
+    # Boxes on the 0..1000 scale of the image, in the box tokens.
+    grounding=GroundingConvention("qwen2-vl", "normalized", BOX_TOKENS),
+    write_tiny=preset_writer("qwen2_vl", PRESETS, write_tiny_qwen2_vl, "flat or nested"),
+    inspect_parts=INSPECT_PARTS,
+    adapter_name=MERGER_NAME,
     transformers_class="Qwen2VLForConditionalGeneration",
-    **_COMMON,
 )
 
-QWEN2_5_VL = ModelFamily(
+# The processor, chat rendering and checkpoint layout are Qwen2-VL's.
+QWEN2_5_VL = dataclasses.replace(
+    QWEN2_VL,
     architecture=QWEN2_5_VL_ARCHITECTURE,
     model_type="qwen2_5_vl",
     name="qwen2_5_vl",
     display_name="Qwen2.5-VL",
     parse_config=parse_qwen2_5_vl_config,
     model_class=Qwen2_5_VLForConditionalGeneration,
-    grounding_convention="qwen2.5-vl",
-    write_tiny=_writer("qwen2_5_vl"),
+    # Boxes in the resized image's pixels, mostly as JSON ("bbox_2d").
+    grounding=GroundingConvention("qwen2.5-vl", "resized_pixels", BOX_TOKENS),
+    write_tiny=preset_writer("qwen2_5_vl", PRESETS, write_tiny_qwen2_vl, "flat or nested"),
     transformers_class="Qwen2_5_VLForConditionalGeneration",
-    **_COMMON,
 )

@@ -200,27 +200,12 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         (each inside <|vision_start|>...<|vision_end|>, as the chat template writes it); each is
         expanded to its item's token count."""
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.config.text.vocab_size
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}; position {bad} holds {token_ids[bad]}")
+        token_ids = self._token_ids(prompt, images, videos)
         image_id, video_id = self.config.image_token_id, self.config.video_token_id
-        self._check_count("image", "<|image_pad|>", images, token_ids.count(image_id))
-        self._check_count("video", "<|video_pad|>", videos, token_ids.count(video_id))
-
         # Token counts come from the target sizes and the chosen frames alone (an image's header is
         # read, its pixels not decoded; a video is demuxed, not decoded): check them and the length
         # before the pixel work, so a small file declaring a huge image costs no decoding.
-        opened = [
-            image.source
-            if isinstance(image.source, Image.Image)
-            else open_lazily(image.source, image.label, self.media_limits)
-            for image in images
-        ]
-        image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, opened, strict=True)]
+        opened, image_counts = self._open_images(images)
         plans = [open_video(v.source, v.options, self.image_config, v.label, self.media_limits) for v in videos]
         video_counts = [self._video_tokens(plan) for plan in plans]
         # NOTE: this is the request's multimodal budget too: the items of one prompt can never need
@@ -266,6 +251,33 @@ class Qwen2VLProcessor(Qwen2VLProcessingInfo):
         return ProcessedPrompt(
             prompt_token_ids=expanded, mm_items=items, mrope_positions=positions, mrope_delta=delta, prompt=text
         )
+
+    def _token_ids(
+        self, prompt: str | list[int], images: Sequence[ImageInput], videos: Sequence[VideoInput]
+    ) -> list[int]:
+        """The prompt's token ids, checked: not empty, in the vocabulary, one placeholder per image
+        and per video (within the limits)."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.text.vocab_size
+        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}; position {bad} holds {token_ids[bad]}")
+        image_id, video_id = self.config.image_token_id, self.config.video_token_id
+        self._check_count("image", "<|image_pad|>", images, token_ids.count(image_id))
+        self._check_count("video", "<|video_pad|>", videos, token_ids.count(video_id))
+        return token_ids
+
+    def _open_images(self, images: Sequence[ImageInput]) -> tuple[list[Image.Image], list[int]]:
+        """Each image opened (its header read, its pixels not yet decoded) and its token count."""
+        opened = [
+            image.source
+            if isinstance(image.source, Image.Image)
+            else open_lazily(image.source, image.label, self.media_limits)
+            for image in images
+        ]
+        return opened, [self._image_tokens(image, pil) for image, pil in zip(images, opened, strict=True)]
 
     def _check_count(
         self, modality: str, pad: str, inputs: Sequence[ImageInput] | Sequence[VideoInput], num_pads: int

@@ -8,16 +8,20 @@ template, and safetensors weights under the published names. Their answers are r
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from vlmserve.families.common.tiny import (
+    QWEN2_VL_BLOCK,
+    RandomWeights,
+    added_tokens_decoder,
+    in_dtype,
+    layer_norm_vision_block,
+    tiny_info,
+    write_checkpoint,
+)
 from vlmserve.model_files import VOCAB_SIZE, save_weights
 from vlmserve.tools.tiktoken_to_hf import write_tokenizer_files
 
@@ -268,121 +272,78 @@ def _config(spec: TinySpec, nested: bool) -> dict[str, object]:
 
 
 def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Weights under the published checkpoint names. Scales keep activations near unit size so
-    every part (image features included) visibly moves the output."""
-    g = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, spec.dtype)
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        return mean + std * torch.randn(n, generator=g)
-
+    """Weights under the published checkpoint names (scales as common/tiny.py's RandomWeights)."""
+    w = RandomWeights(seed)
     h, i = spec.hidden_size, spec.intermediate_size
     head_dim = h // spec.num_attention_heads
     kv = spec.num_key_value_heads * head_dim
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w.embedding(VOCAB_SIZE, h)}
     for layer in range(spec.num_hidden_layers):
         p = f"model.layers.{layer}."
-        w |= {
-            p + "self_attn.q_proj.weight": linear(h, h),
-            p + "self_attn.q_proj.bias": vec(h, std=0.1),
-            p + "self_attn.k_proj.weight": linear(kv, h),
-            p + "self_attn.k_proj.bias": vec(kv, std=0.1),
-            p + "self_attn.v_proj.weight": linear(kv, h),
-            p + "self_attn.v_proj.bias": vec(kv, std=0.1),
-            p + "self_attn.o_proj.weight": linear(h, h),
-            p + "mlp.gate_proj.weight": linear(i, h),
-            p + "mlp.up_proj.weight": linear(i, h),
-            p + "mlp.down_proj.weight": linear(h, i),
-            p + "input_layernorm.weight": vec(h, 1.0, 0.1),
-            p + "post_attention_layernorm.weight": vec(h, 1.0, 0.1),
+        weights |= {
+            p + "self_attn.q_proj.weight": w.linear(h, h),
+            p + "self_attn.q_proj.bias": w.vec(h, std=0.1),
+            p + "self_attn.k_proj.weight": w.linear(kv, h),
+            p + "self_attn.k_proj.bias": w.vec(kv, std=0.1),
+            p + "self_attn.v_proj.weight": w.linear(kv, h),
+            p + "self_attn.v_proj.bias": w.vec(kv, std=0.1),
+            p + "self_attn.o_proj.weight": w.linear(h, h),
+            p + "mlp.gate_proj.weight": w.linear(i, h),
+            p + "mlp.up_proj.weight": w.linear(i, h),
+            p + "mlp.down_proj.weight": w.linear(h, i),
+            p + "input_layernorm.weight": w.vec(h, 1.0, 0.1),
+            p + "post_attention_layernorm.weight": w.vec(h, 1.0, 0.1),
         }
-    w["model.norm.weight"] = vec(h, 1.0, 0.1)
+    weights["model.norm.weight"] = w.vec(h, 1.0, 0.1)
     if not spec.tie_word_embeddings:
-        w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+        weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
 
     e = spec.vision_embed_dim
-    w["visual.patch_embed.proj.weight"] = torch.randn(e, 3, 2, 14, 14, generator=g) / (3 * 2 * 14 * 14) ** 0.5
+    weights["visual.patch_embed.proj.weight"] = w.randn(e, 3, 2, 14, 14) / (3 * 2 * 14 * 14) ** 0.5
     if spec.arch == "qwen2_5_vl":
-        w |= _qwen2_5_vision_weights(spec, linear, vec)
-        return {name: t.to(dtype).contiguous() for name, t in w.items()}
-    for block in range(spec.vision_depth):
-        p = f"visual.blocks.{block}."
-        mlp = e * spec.vision_mlp_ratio
-        w |= {
-            p + "norm1.weight": vec(e, 1.0, 0.1),
-            p + "norm1.bias": vec(e),
-            p + "norm2.weight": vec(e, 1.0, 0.1),
-            p + "norm2.bias": vec(e),
-            p + "attn.qkv.weight": linear(3 * e, e),
-            p + "attn.qkv.bias": vec(3 * e, std=0.1),
-            p + "attn.proj.weight": linear(e, e),
-            p + "attn.proj.bias": vec(e),
-            p + "mlp.fc1.weight": linear(mlp, e),
-            p + "mlp.fc1.bias": vec(mlp),
-            p + "mlp.fc2.weight": linear(e, mlp),
-            p + "mlp.fc2.bias": vec(e),
-        }
-    w |= {
-        "visual.merger.ln_q.weight": vec(e, 1.0, 0.1),
-        "visual.merger.ln_q.bias": vec(e),
-        "visual.merger.mlp.0.weight": linear(4 * e, 4 * e),
-        "visual.merger.mlp.0.bias": vec(4 * e),
-        "visual.merger.mlp.2.weight": linear(h, 4 * e),
-        "visual.merger.mlp.2.bias": vec(h),
+        weights |= _qwen2_5_vision_weights(spec, w)
+    else:
+        for block in range(spec.vision_depth):
+            prefix = f"visual.blocks.{block}."
+            weights |= layer_norm_vision_block(w, prefix, e, e * spec.vision_mlp_ratio, QWEN2_VL_BLOCK)
+        weights |= {"visual.merger.ln_q.weight": w.vec(e, 1.0, 0.1), "visual.merger.ln_q.bias": w.vec(e)}
+    weights |= {
+        "visual.merger.mlp.0.weight": w.linear(4 * e, 4 * e),
+        "visual.merger.mlp.0.bias": w.vec(4 * e),
+        "visual.merger.mlp.2.weight": w.linear(h, 4 * e),
+        "visual.merger.mlp.2.bias": w.vec(h),
     }
-    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+    return in_dtype(weights, spec.dtype)
 
 
-def _qwen2_5_vision_weights(
-    spec: TinySpec, linear: Callable[[int, int], torch.Tensor], vec: Callable[..., torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Qwen2.5-VL's vision blocks and merger: RMSNorms (no bias), a SwiGLU MLP with biases."""
-    e, mlp, h = spec.vision_embed_dim, spec.vision_intermediate_size, spec.hidden_size
-    w: dict[str, torch.Tensor] = {}
+def _qwen2_5_vision_weights(spec: TinySpec, w: RandomWeights) -> dict[str, torch.Tensor]:
+    """Qwen2.5-VL's vision blocks and its merger's norm: RMSNorms (no bias), a SwiGLU MLP with biases."""
+    e, mlp = spec.vision_embed_dim, spec.vision_intermediate_size
+    weights: dict[str, torch.Tensor] = {}
     for block in range(spec.vision_depth):
         p = f"visual.blocks.{block}."
-        w |= {
-            p + "norm1.weight": vec(e, 1.0, 0.1),
-            p + "norm2.weight": vec(e, 1.0, 0.1),
-            p + "attn.qkv.weight": linear(3 * e, e),
-            p + "attn.qkv.bias": vec(3 * e, std=0.1),
-            p + "attn.proj.weight": linear(e, e),
-            p + "attn.proj.bias": vec(e),
-            p + "mlp.gate_proj.weight": linear(mlp, e),
-            p + "mlp.gate_proj.bias": vec(mlp),
-            p + "mlp.up_proj.weight": linear(mlp, e),
-            p + "mlp.up_proj.bias": vec(mlp),
-            p + "mlp.down_proj.weight": linear(e, mlp),
-            p + "mlp.down_proj.bias": vec(e),
+        weights |= {
+            p + "norm1.weight": w.vec(e, 1.0, 0.1),
+            p + "norm2.weight": w.vec(e, 1.0, 0.1),
+            p + "attn.qkv.weight": w.linear(3 * e, e),
+            p + "attn.qkv.bias": w.vec(3 * e, std=0.1),
+            p + "attn.proj.weight": w.linear(e, e),
+            p + "attn.proj.bias": w.vec(e),
+            p + "mlp.gate_proj.weight": w.linear(mlp, e),
+            p + "mlp.gate_proj.bias": w.vec(mlp),
+            p + "mlp.up_proj.weight": w.linear(mlp, e),
+            p + "mlp.up_proj.bias": w.vec(mlp),
+            p + "mlp.down_proj.weight": w.linear(e, mlp),
+            p + "mlp.down_proj.bias": w.vec(e),
         }
-    w |= {
-        "visual.merger.ln_q.weight": vec(e, 1.0, 0.1),
-        "visual.merger.mlp.0.weight": linear(4 * e, 4 * e),
-        "visual.merger.mlp.0.bias": vec(4 * e),
-        "visual.merger.mlp.2.weight": linear(h, 4 * e),
-        "visual.merger.mlp.2.bias": vec(h),
-    }
-    return w
+    weights["visual.merger.ln_q.weight"] = w.vec(e, 1.0, 0.1)
+    return weights
 
 
 def _tokenizer_config(template: str | None) -> dict[str, object]:
-    added = {
-        str(FIRST_ADDED_ID + k): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for k, tok in enumerate(QWEN2_VL_ADDED_TOKENS)
-    }
     config: dict[str, object] = {
         "add_prefix_space": False,
-        "added_tokens_decoder": added,
+        "added_tokens_decoder": added_tokens_decoder(FIRST_ADDED_ID, [(tok, True) for tok in QWEN2_VL_ADDED_TOKENS]),
         "additional_special_tokens": QWEN2_VL_ADDED_TOKENS[1:],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
@@ -423,59 +384,47 @@ def write_tiny_qwen2_vl(
         chat_template_in = "chat_template.json" if spec.arch == "qwen2_5_vl" else "tokenizer_config.json"
     if chat_template_in not in ("tokenizer_config.json", "chat_template.json", "chat_template.jinja"):
         raise ValueError(f"chat_template_in must name a file the template can live in, got {chat_template_in!r}")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
-    try:
-        files = {
-            "config.json": _config(spec, nested_config),
-            "generation_config.json": {
-                "bos_token_id": 151643,
-                "pad_token_id": 151643,
-                "do_sample": True,
-                "eos_token_id": [151645, 151643],
-                "repetition_penalty": 1.0,
-                "temperature": 0.01,
-                "top_p": 0.001,
-                "top_k": 1,
-            },
-            "preprocessor_config.json": {
-                "min_pixels": 3136,
-                "max_pixels": 12845056,
-                "patch_size": 14,
-                "temporal_patch_size": 2,
-                "merge_size": 2,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2_5_VLProcessor" if spec.arch == "qwen2_5_vl" else "Qwen2VLProcessor",
-                **(preprocessor or {}),
-            },
-            "tokenizer_config.json": _tokenizer_config(
-                QWEN2_VL_CHAT_TEMPLATE
-                if chat_template_in == "tokenizer_config.json"
-                else QWEN2_5_CHAT_TEMPLATE
-                if as_published and spec.arch == "qwen2_5_vl"
-                else None
-            ),
-        }
-        if chat_template_in == "chat_template.json":
-            files["chat_template.json"] = {"chat_template": QWEN2_VL_CHAT_TEMPLATE}
-        for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        if chat_template_in == "chat_template.jinja":
-            (tmp / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE, encoding="utf-8")
-        added = [(FIRST_ADDED_ID + k, tok, True) for k, tok in enumerate(QWEN2_VL_ADDED_TOKENS)]
-        write_tokenizer_files(tmp, added)
-        if weights is None:
-            save_weights(random_weights(spec, seed), tmp, num_shards)
-            (tmp / "vlmserve_tiny.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed}) + "\n")
-        else:
-            save_weights(weights, tmp, num_shards)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    files: dict[str, object] = {
+        "config.json": _config(spec, nested_config),
+        "generation_config.json": {
+            "bos_token_id": 151643,
+            "pad_token_id": 151643,
+            "do_sample": True,
+            "eos_token_id": [151645, 151643],
+            "repetition_penalty": 1.0,
+            "temperature": 0.01,
+            "top_p": 0.001,
+            "top_k": 1,
+        },
+        "preprocessor_config.json": {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor" if spec.arch == "qwen2_5_vl" else "Qwen2VLProcessor",
+            **(preprocessor or {}),
+        },
+        "tokenizer_config.json": _tokenizer_config(
+            QWEN2_VL_CHAT_TEMPLATE
+            if chat_template_in == "tokenizer_config.json"
+            else QWEN2_5_CHAT_TEMPLATE
+            if as_published and spec.arch == "qwen2_5_vl"
+            else None
+        ),
+    }
+    if chat_template_in == "chat_template.json":
+        files["chat_template.json"] = {"chat_template": QWEN2_VL_CHAT_TEMPLATE}
+    if chat_template_in == "chat_template.jinja":
+        files["chat_template.jinja"] = QWEN2_VL_CHAT_TEMPLATE
+    if weights is None:
+        files["vlmserve_tiny.json"] = tiny_info(spec, seed)
+
+    def write_rest(folder: Path) -> None:
+        write_tokenizer_files(folder, [(FIRST_ADDED_ID + k, tok, True) for k, tok in enumerate(QWEN2_VL_ADDED_TOKENS)])
+        save_weights(random_weights(spec, seed) if weights is None else weights, folder, num_shards)
+
+    return write_checkpoint(out_dir, files, write_rest)

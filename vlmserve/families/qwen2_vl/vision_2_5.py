@@ -13,21 +13,23 @@ The merger's output is permuted back to the processor's order.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from vlmserve.attention import AttentionBackend
 from vlmserve.config import VisionConfig
-from vlmserve.families.qwen2_vl.vision import (
+from vlmserve.families.common.vision import (
     PatchEmbed,
-    PatchMerger,
-    VisionAttention,
-    VisionRotaryEmbedding,
-    vision_cu_seqlens,
-    vision_rotary_positions,
+    SwiGLUVisionMLP,
+    VisionBlock,
+    VisionRotary,
+    frame_cu_seqlens,
+    patch_positions,
 )
-from vlmserve.models.layers import RMSNorm, get_activation
-from vlmserve.models.parallel import ColumnParallelLinear, RowParallelLinear
+from vlmserve.families.qwen2_vl.vision import PatchMerger
+from vlmserve.models.layers import RMSNorm
 
 
 def window_partition(
@@ -68,42 +70,17 @@ def window_partition(
     return torch.cat(order), cu_seqlens
 
 
-class Qwen2_5_VisionMLP(nn.Module):
-    """SwiGLU with biases: down(act(gate(x)) * up(x)); gate and up fused into one matmul."""
-
-    def __init__(self, dim: int, hidden_dim: int, act: str) -> None:
-        super().__init__()
-        # Loaded from the checkpoint's gate_proj / up_proj (see Qwen2_5_VLForConditionalGeneration).
-        self.gate_up_proj = ColumnParallelLinear.split(dim, [hidden_dim, hidden_dim], bias=True, names=("0", "1"))
-        self.down_proj = RowParallelLinear(hidden_dim, dim, bias=True)
-        self.act = get_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
-class Qwen2_5_VisionBlock(nn.Module):
-    def __init__(self, config: VisionConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        assert config.intermediate_size is not None, "a Qwen2.5-VL vision config has intermediate_size"
-        self.norm1 = RMSNorm(config.embed_dim, eps=1e-6)
-        self.norm2 = RMSNorm(config.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(config.embed_dim, config.num_heads, backend)
-        self.mlp = Qwen2_5_VisionMLP(config.embed_dim, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, config: VisionConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.patch_embed = PatchEmbed(config)
-        self.rotary = VisionRotaryEmbedding(config.head_dim, config.rope_theta)
-        self.blocks = nn.ModuleList([Qwen2_5_VisionBlock(config, backend) for _ in range(config.depth)])
+        width = config.intermediate_size
+        assert width is not None, "a Qwen2.5-VL vision config has intermediate_size"
+        self.patch_embed = PatchEmbed(config, bias=False)
+        self.rotary = VisionRotary(config.head_dim, config.rope_theta)
+        # RMSNorm, and a SwiGLU MLP with biases (the checkpoint's gate_proj / up_proj fused).
+        mlp = partial(SwiGLUVisionMLP, config.embed_dim, width, config.hidden_act)
+        self.blocks = nn.ModuleList([VisionBlock(config, backend, RMSNorm, mlp) for _ in range(config.depth)])
         self.merger = PatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size, norm=RMSNorm)
         self.fullatt_block_indexes = frozenset(config.fullatt_block_indexes)
 
@@ -111,7 +88,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         """pixel_values [num_patches, patch_dim] -> [num_patches / merge_size**2, hidden_size], in
         the processor's order."""
         m = self.config.spatial_merge_size
-        cu_seqlens = vision_cu_seqlens(grid_thw)  # per frame, for the full-attention blocks
+        cu_seqlens = frame_cu_seqlens(grid_thw)  # per frame, for the full-attention blocks
         assert cu_seqlens[-1] == pixel_values.shape[0], (
             f"grids hold {cu_seqlens[-1]} patches, pixel_values {pixel_values.shape[0]}"
         )
@@ -119,7 +96,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         window_order, cu_window_seqlens = window_partition(grid_thw, m, self.config.merged_window_size)
         # Patch p of merged token k is patch k * m*m + p: move each token's patches together.
         patch_order = (window_order[:, None] * m**2 + torch.arange(m**2)).flatten()  # [num_patches]
-        positions = vision_rotary_positions(grid_thw, m)[patch_order]  # [num_patches, 2]
+        positions = patch_positions(grid_thw, m)[patch_order]  # [num_patches, 2]
 
         device = pixel_values.device
         x = self.patch_embed(pixel_values[patch_order.to(device)])  # [num_patches, embed_dim], window order

@@ -14,19 +14,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import (
-    FieldAliases,
-    ModelConfig,
-    checkpoint_dtype,
-    parse_text_config,
-    require,
-    transformers_version,
-)
+from vlmserve.config import FieldAliases, ModelConfig, parse_text_config, require
+from vlmserve.families.common.config import vision_language_config
 from vlmserve.families.qwen3_vl.config import VISION_ALIASES, MoeConfig, parse_vision_config
 
 QWEN3_5_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 LAYER_TYPES = ("linear_attention", "full_attention")
+# The vision tokens' ids in the published Qwen3.5 vocabulary, where config.json does not name them.
+TOKEN_IDS = {
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+}
 # transformers' Qwen3_5VisionConfig / Qwen3_5MoeVisionConfig attribute_map (5.23 and 5.24); their text
 # configs have none (Qwen3.5-MoE's writes num_experts as it is).
 ALIASES = FieldAliases(vision=VISION_ALIASES)
@@ -137,19 +138,7 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         )
     if family.conv_kernel_dim < 2:
         raise ValueError(f"config.json: linear_conv_kernel_dim {family.conv_kernel_dim} must be at least 2")
-    return ModelConfig(
-        model_type=raw["model_type"],
-        architecture=(raw.get("architectures") or [default_architecture])[0],
-        text=text,
-        vision=vision,
-        image_token_id=int(raw.get("image_token_id", 248056)),
-        video_token_id=int(raw.get("video_token_id", 248057)),
-        vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
-        vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
-        checkpoint_dtype=checkpoint_dtype(raw, text_raw),
-        transformers_version=transformers_version(raw),
-        family_config=family,
-    )
+    return vision_language_config(raw, text_raw, default_architecture, text, vision, TOKEN_IDS, family_config=family)
 
 
 def _parse_moe(t: dict[str, Any]) -> MoeConfig:

@@ -16,6 +16,7 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
 from vlmserve.config import TextConfig
+from vlmserve.families.common.decoder import MRotaryEmbedding, QwenMLP
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
 from vlmserve.families.qwen3_5.deltanet import (
     causal_conv1d,
@@ -24,8 +25,9 @@ from vlmserve.families.qwen3_5.deltanet import (
     recurrent_gated_delta_step,
 )
 from vlmserve.families.qwen3_vl.config import MoeConfig
-from vlmserve.families.qwen3_vl.decoder import InterleavedMRotary, Qwen3MLP, Qwen3MoeBlock
+from vlmserve.families.qwen3_vl.decoder import Qwen3MoeBlock
 from vlmserve.models.layers import Linear, apply_rotary
+from vlmserve.models.parallel import VocabParallelEmbedding
 
 
 class OffsetRMSNorm(nn.Module):
@@ -164,7 +166,7 @@ class Qwen35SparseMoeBlock(Qwen3MoeBlock):
 
     def __init__(self, config: TextConfig, moe: MoeConfig, shared_intermediate_size: int) -> None:
         super().__init__(config, moe)
-        self.shared_expert = Qwen3MLP(config.hidden_size, shared_intermediate_size, config.hidden_act)
+        self.shared_expert = QwenMLP(config.hidden_size, shared_intermediate_size, config.hidden_act)
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +185,7 @@ class Qwen35DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             Qwen35SparseMoeBlock(config, family.moe, family.shared_expert_intermediate_size)
             if family.moe is not None
-            else Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            else QwenMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         )
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -197,13 +199,13 @@ class Qwen35DecoderLayer(nn.Module):
 class Qwen35Model(nn.Module):
     def __init__(self, config: TextConfig, family: Qwen35FamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [Qwen35DecoderLayer(config, family, i, backend) for i in range(config.num_hidden_layers)]
         )
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         assert config.mrope_section is not None
-        self.rotary = InterleavedMRotary(
+        self.rotary = MRotaryEmbedding(
             family.rotary_dim, config.rope_theta, config.mrope_section, family.mrope_interleaved
         )
 

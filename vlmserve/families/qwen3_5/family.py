@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vlmserve.families.common.entry import preset_writer
 from vlmserve.families.qwen3_5.config import (
     QWEN3_5_ARCHITECTURE,
     QWEN3_5_MOE_ARCHITECTURE,
@@ -13,7 +14,7 @@ from vlmserve.families.qwen3_5.config import (
 )
 from vlmserve.families.qwen3_5.model import Qwen35ForConditionalGeneration, Qwen35MoeForConditionalGeneration
 from vlmserve.families.qwen3_5.tiny import PRESETS, write_tiny_qwen3_5
-from vlmserve.families.qwen3_vl.family import QWEN3_VL, preset_writer
+from vlmserve.families.qwen3_vl.family import QWEN3_VL
 
 QWEN3_5 = dataclasses.replace(
     QWEN3_VL,
@@ -23,7 +24,7 @@ QWEN3_5 = dataclasses.replace(
     display_name="Qwen3.5",
     parse_config=parse_qwen3_5_config,
     model_class=Qwen35ForConditionalGeneration,
-    write_tiny=preset_writer("qwen3_5", PRESETS, write_tiny_qwen3_5),
+    write_tiny=preset_writer("qwen3_5", PRESETS, write_tiny_qwen3_5, "nested"),
     transformers_class="Qwen3_5ForConditionalGeneration",
 )
 
@@ -35,6 +36,6 @@ QWEN3_5_MOE = dataclasses.replace(
     display_name="Qwen3.5-MoE",
     parse_config=parse_qwen3_5_moe_config,
     model_class=Qwen35MoeForConditionalGeneration,
-    write_tiny=preset_writer("qwen3_5_moe", PRESETS, write_tiny_qwen3_5),
+    write_tiny=preset_writer("qwen3_5_moe", PRESETS, write_tiny_qwen3_5, "nested"),
     transformers_class="Qwen3_5MoeForConditionalGeneration",
 )

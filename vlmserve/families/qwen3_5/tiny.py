@@ -11,12 +11,20 @@ published Qwen3.5 vocabulary is larger; a tiny checkpoint names its special ids 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vlmserve.families.qwen3_vl.tiny import vision_weights, write_checkpoint
+from vlmserve.families.common.tiny import (
+    RandomWeights,
+    decoder_norm_weights,
+    in_dtype,
+    qwen3_attention_weights,
+    swiglu_weights,
+    tiny_info,
+)
+from vlmserve.families.qwen3_vl.tiny import text_config_json, vision_config_json, vision_weights, write_qwen3_vl_files
 from vlmserve.model_files import VOCAB_SIZE
 
 
@@ -63,40 +71,16 @@ PRESETS = {("qwen3_5", "tiny"): TinySpec(), ("qwen3_5_moe", "tiny"): MOE_SPEC}
 
 
 def config_json(spec: TinySpec) -> dict[str, object]:
-    text: dict[str, object] = {
-        "model_type": "qwen3_5_text",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": spec.dtype,
+    rope = {"rope_type": "default", "rope_theta": 10000000, "mrope_interleaved": True}
+    text = text_config_json(spec, "qwen3_5_text", rope | {"partial_rotary_factor": spec.partial_rotary_factor})
+    text |= {
         "full_attention_interval": spec.full_attention_interval,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": spec.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": spec.intermediate_size,
         "layer_types": spec.layer_types,
         "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
         "linear_key_head_dim": spec.linear_key_head_dim,
         "linear_num_key_heads": spec.linear_num_key_heads,
         "linear_num_value_heads": spec.linear_num_value_heads,
         "linear_value_head_dim": spec.linear_value_head_dim,
-        "max_position_embeddings": 262144,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000,
-            "mrope_section": list(spec.mrope_section),
-            "mrope_interleaved": True,
-            "partial_rotary_factor": spec.partial_rotary_factor,
-        },
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "use_cache": True,
-        "vocab_size": VOCAB_SIZE,
     }
     if spec.num_experts:
         del text["intermediate_size"]  # no dense MLP
@@ -109,21 +93,7 @@ def config_json(spec: TinySpec) -> dict[str, object]:
             "router_aux_loss_coef": 0.001,
         }
     moe = "_moe" if spec.num_experts else ""
-    vision = {
-        "model_type": f"qwen3_5{moe}_vision",
-        "depth": spec.vision_depth,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": spec.vision_hidden_size,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": spec.vision_intermediate_size,
-        "num_heads": spec.vision_num_heads,
-        "num_position_embeddings": spec.num_position_embeddings,
-        "out_hidden_size": spec.hidden_size,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
+    vision = vision_config_json(spec, f"qwen3_5{moe}_vision")
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "model_type": f"qwen3_5{moe}",
@@ -141,79 +111,58 @@ def config_json(spec: TinySpec) -> dict[str, object]:
 def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Weights under the published names. Decays are kept slow (A in 0.01..0.2) so the recurrent
     state carries far along a prompt: a state lost between chunks changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        return mean + std * torch.randn(n, generator=g)
-
+    w = RandomWeights(seed)
     h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
     value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
     conv_dim, hv = 2 * key_dim + value_dim, spec.linear_num_value_heads
     lm = "model.language_model."
-    w: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    weights: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": w.embedding(VOCAB_SIZE, h)}
     for layer, kind in enumerate(spec.layer_types):
         p = f"{lm}layers.{layer}."
         if kind == "linear_attention":
             a = p + "linear_attn."
-            w |= {
-                a + "in_proj_qkv.weight": linear(conv_dim, h),
-                a + "in_proj_z.weight": linear(value_dim, h),
-                a + "in_proj_b.weight": linear(hv, h),
-                a + "in_proj_a.weight": linear(hv, h),
-                a + "conv1d.weight": torch.randn(conv_dim, 1, spec.linear_conv_kernel_dim, generator=g) * 0.5,
-                a + "dt_bias": vec(hv, 1.0, 0.1),
-                a + "A_log": (0.01 + 0.19 * torch.rand(hv, generator=g)).log(),
-                a + "norm.weight": vec(spec.linear_value_head_dim, 1.0, 0.1),
-                a + "out_proj.weight": linear(h, value_dim),
+            weights |= {
+                a + "in_proj_qkv.weight": w.linear(conv_dim, h),
+                a + "in_proj_z.weight": w.linear(value_dim, h),
+                a + "in_proj_b.weight": w.linear(hv, h),
+                a + "in_proj_a.weight": w.linear(hv, h),
+                a + "conv1d.weight": w.randn(conv_dim, 1, spec.linear_conv_kernel_dim) * 0.5,
+                a + "dt_bias": w.vec(hv, 1.0, 0.1),
+                a + "A_log": (0.01 + 0.19 * torch.rand(hv, generator=w.generator)).log(),
+                a + "norm.weight": w.vec(spec.linear_value_head_dim, 1.0, 0.1),
+                a + "out_proj.weight": w.linear(h, value_dim),
             }
-        else:
-            w |= {
-                p + "self_attn.q_proj.weight": linear(2 * q, h),
-                p + "self_attn.k_proj.weight": linear(kv, h),
-                p + "self_attn.v_proj.weight": linear(kv, h),
-                p + "self_attn.o_proj.weight": linear(h, q),
-                p + "self_attn.q_norm.weight": vec(d, 0.0, 0.1),
-                p + "self_attn.k_norm.weight": vec(d, 0.0, 0.1),
-            }
-        w |= {
-            p + "input_layernorm.weight": vec(h, 0.0, 0.1),
-            p + "post_attention_layernorm.weight": vec(h, 0.0, 0.1),
-        }
+        else:  # per head [query | gate] in q_proj; (1 + weight) norms
+            weights |= qwen3_attention_weights(w, p + "self_attn.", h, q, kv, d, norm_mean=0.0, gated=True)
+        weights |= decoder_norm_weights(w, p, h, mean=0.0)
         if spec.num_experts:
             mi, si = spec.moe_intermediate_size, spec.shared_expert_intermediate_size
             # Expert outputs at half scale: three of them per token (two routed, the shared one)
             # keep the residual stream about the dense model's size.
-            w[p + "mlp.gate.weight"] = linear(spec.num_experts, h)
+            weights[p + "mlp.gate.weight"] = w.linear(spec.num_experts, h)
             for e in range(spec.num_experts):
                 x = f"{p}mlp.experts.{e}."
-                w |= {
-                    x + "gate_proj.weight": linear(mi, h),
-                    x + "up_proj.weight": linear(mi, h),
-                    x + "down_proj.weight": 0.5 * linear(h, mi),
+                weights |= {
+                    x + "gate_proj.weight": w.linear(mi, h),
+                    x + "up_proj.weight": w.linear(mi, h),
+                    x + "down_proj.weight": 0.5 * w.linear(h, mi),
                 }
-            w |= {
-                p + "mlp.shared_expert.gate_proj.weight": linear(si, h),
-                p + "mlp.shared_expert.up_proj.weight": linear(si, h),
-                p + "mlp.shared_expert.down_proj.weight": 0.5 * linear(h, si),
-                p + "mlp.shared_expert_gate.weight": linear(1, h),
+            weights |= {
+                p + "mlp.shared_expert.gate_proj.weight": w.linear(si, h),
+                p + "mlp.shared_expert.up_proj.weight": w.linear(si, h),
+                p + "mlp.shared_expert.down_proj.weight": 0.5 * w.linear(h, si),
+                p + "mlp.shared_expert_gate.weight": w.linear(1, h),
             }
         else:
-            w |= {
-                p + "mlp.gate_proj.weight": linear(i, h),
-                p + "mlp.up_proj.weight": linear(i, h),
-                p + "mlp.down_proj.weight": linear(h, i),
-            }
-    w[lm + "norm.weight"] = vec(h, 0.0, 0.1)
+            weights |= swiglu_weights(w, p + "mlp.", h, i)
+    weights[lm + "norm.weight"] = w.vec(h, 0.0, 0.1)
     if not spec.tie_word_embeddings:
-        w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+        weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
 
-    w |= vision_weights(  # Qwen3-VL's tower without DeepStack
-        g,
+    weights |= vision_weights(  # Qwen3-VL's tower without DeepStack
+        w,
         width=spec.vision_hidden_size,
         intermediate=spec.vision_intermediate_size,
         depth=spec.vision_depth,
@@ -221,12 +170,11 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         out_hidden=h,
         num_deepstack=0,
     )
-    dtype = getattr(torch, spec.dtype)
-    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+    return in_dtype(weights, spec.dtype)
 
 
 def write_tiny_qwen3_5(out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1) -> Path:
     """Write the checkpoint into `out_dir` (created; written atomically)."""
-    return write_checkpoint(
-        out_dir, config_json(spec), random_weights(spec, seed), {"spec": asdict(spec), "seed": seed}, num_shards
+    return write_qwen3_vl_files(
+        out_dir, config_json(spec), random_weights(spec, seed), tiny_info(spec, seed), num_shards
     )

@@ -9,15 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.config import (
-    FieldAliases,
-    ModelConfig,
-    VisionConfig,
-    checkpoint_dtype,
-    parse_text_config,
-    require,
-    transformers_version,
-)
+from vlmserve.config import FieldAliases, ModelConfig, VisionConfig, parse_text_config, require
+from vlmserve.families.common.config import vision_language_config
 
 QWEN3_VL_ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE_ARCHITECTURE = "Qwen3VLMoeForConditionalGeneration"
@@ -130,19 +123,8 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
         moe=_parse_moe(text_raw) if moe else None,
     )
-    return ModelConfig(
-        model_type=raw["model_type"],
-        architecture=(raw.get("architectures") or [default_architecture])[0],
-        text=text,
-        vision=vision,
-        image_token_id=int(raw.get("image_token_id", 151655)),
-        video_token_id=int(raw.get("video_token_id", 151656)),
-        vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
-        vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
-        checkpoint_dtype=checkpoint_dtype(raw, text_raw),
-        transformers_version=transformers_version(raw),
-        family_config=family,
-        mm_embedding_rows=1 + len(deepstack),
+    return vision_language_config(
+        raw, text_raw, default_architecture, text, vision, family_config=family, mm_embedding_rows=1 + len(deepstack)
     )
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from PIL import Image
 
 from vlmserve.config import ModelConfig
 from vlmserve.families.qwen2_vl.processor import Qwen2VLProcessingInfo, Qwen2VLProcessor
 from vlmserve.families.qwen3_vl.video import patch_timestamps, plan_video, timestamp_text
-from vlmserve.multimodal.image import ImageProcessorConfig, process_image
+from vlmserve.multimodal.image import ImageProcessorConfig
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
-from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaLimits, load_pixels, open_lazily
+from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaLimits
 from vlmserve.multimodal.mrope import mrope_positions
 from vlmserve.multimodal.video import VideoPlan, process_video
 from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
@@ -51,25 +50,10 @@ class Qwen3VLProcessor(Qwen2VLProcessor):
         template writes them); an image's is repeated for its tokens, a video's becomes its
         timestamped spans."""
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.config.text.vocab_size
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}; position {bad} holds {token_ids[bad]}")
+        token_ids = self._token_ids(prompt, images, videos)
         image_id, video_id = self.config.image_token_id, self.config.video_token_id
-        self._check_count("image", "<|image_pad|>", images, token_ids.count(image_id))
-        self._check_count("video", "<|video_pad|>", videos, token_ids.count(video_id))
-
         # Token counts first (image headers, video indexes), the pixel work after the length check.
-        opened = [
-            image.source
-            if isinstance(image.source, Image.Image)
-            else open_lazily(image.source, image.label, self.media_limits)
-            for image in images
-        ]
-        image_counts = [self._image_tokens(image, pil) for image, pil in zip(images, opened, strict=True)]
+        opened, image_counts = self._open_images(images)
         plans = [plan_video(v.source, v.options, self.video_config, v.label, self.media_limits) for v in videos]
         spans = [self._video_spans(plan, fps) for plan, fps in plans]
         num_text = len(token_ids) - len(images) - len(videos)
@@ -84,13 +68,12 @@ class Qwen3VLProcessor(Qwen2VLProcessor):
 
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        next_image = iter(zip(images, opened, image_counts, strict=True))
+        next_image = iter(zip(opened, images, image_counts, strict=True))
         next_video = iter(zip(plans, spans, strict=True))
         for token in token_ids:
             if token == image_id:
-                image, pil, count = next(next_image)
-                pil = pil if isinstance(image.source, Image.Image) else load_pixels(pil, image.label)
-                item = self._item("image", process_image(pil, self.image_config, image.sizing), count, len(expanded))
+                pil, image, count = next(next_image)
+                item = self._item("image", self._decode_and_process(pil, image), count, len(expanded))
                 items.append(item)
                 expanded.extend([token] * item.length)
             elif token == video_id:

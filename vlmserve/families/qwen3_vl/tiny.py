@@ -8,15 +8,24 @@ safetensors weights under the published names (MoE experts fused as experts.gate
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from vlmserve.families.common.tiny import (
+    QWEN3_VL_BLOCK,
+    RandomWeights,
+    added_tokens_decoder,
+    decoder_norm_weights,
+    in_dtype,
+    layer_norm_vision_block,
+    qwen3_attention_weights,
+    swiglu_weights,
+    tiny_info,
+    write_checkpoint,
+)
 from vlmserve.model_files import VOCAB_SIZE, save_weights
 from vlmserve.tools.tiktoken_to_hf import write_tokenizer_files
 
@@ -194,34 +203,8 @@ PRESETS = {
 def config_json(spec: TinySpec) -> dict[str, object]:
     if spec.arch not in ARCHES:
         raise ValueError(f"unknown arch {spec.arch!r}; choose one of {ARCHES}")
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 5000000.0,
-        "mrope_section": list(spec.mrope_section),
-        "mrope_interleaved": True,
-    }
-    text: dict[str, object] = {
-        "model_type": f"{spec.arch}_text",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": spec.dtype,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": spec.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": spec.intermediate_size,
-        "max_position_embeddings": 262144,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "rms_norm_eps": 1e-06,
-        "rope_parameters": rope,
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "use_cache": True,
-        "vocab_size": VOCAB_SIZE,
-    }
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True}
+    text = text_config_json(spec, f"{spec.arch}_text", rope)
     if spec.arch == "qwen3_vl_moe":
         text |= {
             "decoder_sparse_step": 1,
@@ -231,21 +214,8 @@ def config_json(spec: TinySpec) -> dict[str, object]:
             "num_experts": spec.num_experts,
             "num_experts_per_tok": spec.num_experts_per_tok,
         }
-    vision = {
-        "model_type": f"{spec.arch}_vision",
-        "deepstack_visual_indexes": list(spec.deepstack_visual_indexes),
-        "depth": spec.vision_depth,
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": spec.vision_hidden_size,
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "intermediate_size": spec.vision_intermediate_size,
-        "num_heads": spec.vision_num_heads,
-        "num_position_embeddings": spec.num_position_embeddings,
-        "out_hidden_size": spec.hidden_size,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
+    vision = vision_config_json(spec, f"{spec.arch}_vision") | {
+        "deepstack_visual_indexes": list(spec.deepstack_visual_indexes)
     }
     return {
         "architectures": [_ARCHITECTURE[spec.arch]],
@@ -261,52 +231,80 @@ def config_json(spec: TinySpec) -> dict[str, object]:
     }
 
 
+def text_config_json(spec: Any, model_type: str, rope: dict[str, object]) -> dict[str, object]:
+    """The language model's section of config.json (Qwen3.5 adds its own fields to it), from a
+    spec's sizes, its mrope_section and tie_word_embeddings; `rope` the other rope_parameters."""
+    return {
+        "model_type": model_type,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": spec.dtype,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {**rope, "mrope_section": list(spec.mrope_section)},
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
+def vision_config_json(spec: Any, model_type: str) -> dict[str, object]:
+    """The vision tower's section of config.json (Qwen3.5 has the same tower, without DeepStack),
+    from a spec's vision_* fields, num_position_embeddings and hidden_size."""
+    return {
+        "model_type": model_type,
+        "depth": spec.vision_depth,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": spec.vision_hidden_size,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.vision_intermediate_size,
+        "num_heads": spec.vision_num_heads,
+        "num_position_embeddings": spec.num_position_embeddings,
+        "out_hidden_size": spec.hidden_size,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+
+
 def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Weights under the published names. Scales keep activations near unit size so every part
     (the DeepStack features and the router included) visibly moves the output."""
-    g = torch.Generator().manual_seed(seed)
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        return mean + std * torch.randn(n, generator=g)
-
+    w = RandomWeights(seed)
     h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     lm = "model.language_model."
-    w: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    weights: dict[str, torch.Tensor] = {lm + "embed_tokens.weight": w.embedding(VOCAB_SIZE, h)}
     for layer in range(spec.num_hidden_layers):
         p = f"{lm}layers.{layer}."
-        w |= {
-            p + "self_attn.q_proj.weight": linear(q, h),
-            p + "self_attn.k_proj.weight": linear(kv, h),
-            p + "self_attn.v_proj.weight": linear(kv, h),
-            p + "self_attn.o_proj.weight": linear(h, q),
-            p + "self_attn.q_norm.weight": vec(d, 1.0, 0.1),
-            p + "self_attn.k_norm.weight": vec(d, 1.0, 0.1),
-            p + "input_layernorm.weight": vec(h, 1.0, 0.1),
-            p + "post_attention_layernorm.weight": vec(h, 1.0, 0.1),
-        }
+        weights |= qwen3_attention_weights(w, p + "self_attn.", h, q, kv, d, norm_mean=1.0)
+        weights |= decoder_norm_weights(w, p, h, mean=1.0)
         if spec.arch == "qwen3_vl_moe" and layer not in spec.mlp_only_layers:
             e, mi = spec.num_experts, spec.moe_intermediate_size
-            w |= {
-                p + "mlp.gate.weight": linear(e, h) * 4,  # routing far from uniform
-                p + "mlp.experts.gate_up_proj": torch.randn(e, h, 2 * mi, generator=g) / h**0.5,
-                p + "mlp.experts.down_proj": torch.randn(e, mi, h, generator=g) / mi**0.5,
+            weights |= {
+                p + "mlp.gate.weight": w.linear(e, h) * 4,  # routing far from uniform
+                p + "mlp.experts.gate_up_proj": w.randn(e, h, 2 * mi) / h**0.5,
+                p + "mlp.experts.down_proj": w.randn(e, mi, h) / mi**0.5,
             }
         else:
-            w |= {
-                p + "mlp.gate_proj.weight": linear(i, h),
-                p + "mlp.up_proj.weight": linear(i, h),
-                p + "mlp.down_proj.weight": linear(h, i),
-            }
-    w[lm + "norm.weight"] = vec(h, 1.0, 0.1)
+            weights |= swiglu_weights(w, p + "mlp.", h, i)
+    weights[lm + "norm.weight"] = w.vec(h, 1.0, 0.1)
     if not spec.tie_word_embeddings:
-        w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+        weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
 
-    w |= vision_weights(
-        g,
+    weights |= vision_weights(
+        w,
         width=spec.vision_hidden_size,
         intermediate=spec.vision_intermediate_size,
         depth=spec.vision_depth,
@@ -314,12 +312,11 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         out_hidden=h,
         num_deepstack=len(spec.deepstack_visual_indexes),
     )
-    dtype = getattr(torch, spec.dtype)
-    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+    return in_dtype(weights, spec.dtype)
 
 
 def vision_weights(
-    g: torch.Generator,
+    w: RandomWeights,
     *,
     width: int,
     intermediate: int,
@@ -329,66 +326,34 @@ def vision_weights(
     num_deepstack: int,
 ) -> dict[str, torch.Tensor]:
     """The Qwen3-VL vision tower's weights under `model.visual.` (Qwen3.5 has the same tower,
-    without DeepStack mergers), drawn from `g` in a fixed order."""
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        return mean + std * torch.randn(n, generator=g)
-
-    e, mlp, vis = width, intermediate, "model.visual."
-    w = {
-        vis + "patch_embed.proj.weight": torch.randn(e, 3, 2, 16, 16, generator=g) / (3 * 2 * 16 * 16) ** 0.5,
-        vis + "patch_embed.proj.bias": vec(e, std=0.1),
-        vis + "pos_embed.weight": torch.randn(num_positions, e, generator=g),
+    without DeepStack mergers), drawn from `w` in a fixed order."""
+    e, vis = width, "model.visual."
+    weights = {
+        vis + "patch_embed.proj.weight": w.randn(e, 3, 2, 16, 16) / (3 * 2 * 16 * 16) ** 0.5,
+        vis + "patch_embed.proj.bias": w.vec(e, std=0.1),
+        vis + "pos_embed.weight": w.randn(num_positions, e),
     }
     for block in range(depth):
-        p = f"{vis}blocks.{block}."
-        w |= {
-            p + "norm1.weight": vec(e, 1.0, 0.1),
-            p + "norm1.bias": vec(e),
-            p + "norm2.weight": vec(e, 1.0, 0.1),
-            p + "norm2.bias": vec(e),
-            p + "attn.qkv.weight": linear(3 * e, e),
-            p + "attn.qkv.bias": vec(3 * e, std=0.1),
-            p + "attn.proj.weight": linear(e, e),
-            p + "attn.proj.bias": vec(e),
-            p + "mlp.linear_fc1.weight": linear(mlp, e),
-            p + "mlp.linear_fc1.bias": vec(mlp),
-            p + "mlp.linear_fc2.weight": linear(e, mlp),
-            p + "mlp.linear_fc2.bias": vec(e),
-        }
+        weights |= layer_norm_vision_block(w, f"{vis}blocks.{block}.", e, intermediate, QWEN3_VL_BLOCK)
     merged = 4 * e
     for p in ["merger."] + [f"deepstack_merger_list.{k}." for k in range(num_deepstack)]:
         norm = e if p == "merger." else merged  # the DeepStack mergers normalise after the 2x2 concatenation
-        w |= {
-            vis + p + "norm.weight": vec(norm, 1.0, 0.1),
-            vis + p + "norm.bias": vec(norm),
-            vis + p + "linear_fc1.weight": linear(merged, merged),
-            vis + p + "linear_fc1.bias": vec(merged),
-            vis + p + "linear_fc2.weight": linear(out_hidden, merged),
-            vis + p + "linear_fc2.bias": vec(out_hidden),
+        weights |= {
+            vis + p + "norm.weight": w.vec(norm, 1.0, 0.1),
+            vis + p + "norm.bias": w.vec(norm),
+            vis + p + "linear_fc1.weight": w.linear(merged, merged),
+            vis + p + "linear_fc1.bias": w.vec(merged),
+            vis + p + "linear_fc2.weight": w.linear(out_hidden, merged),
+            vis + p + "linear_fc2.bias": w.vec(out_hidden),
         }
-    return w
+    return weights
 
 
 def _tokenizer_config() -> dict[str, object]:
-    added = {
-        str(FIRST_ADDED_ID + k): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": special,
-        }
-        for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)
-    }
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
-        "added_tokens_decoder": added,
+        "added_tokens_decoder": added_tokens_decoder(FIRST_ADDED_ID, QWEN3_VL_ADDED_TOKENS),
         "additional_special_tokens": [tok for tok, special in QWEN3_VL_ADDED_TOKENS[1:14]],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
@@ -419,52 +384,43 @@ def write_tiny_qwen3_vl(
     out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1
 ) -> Path:
     """Write the checkpoint into `out_dir` (created; written atomically)."""
-    return write_checkpoint(
-        out_dir, config_json(spec), random_weights(spec, seed), {"spec": asdict(spec), "seed": seed}, num_shards
+    return write_qwen3_vl_files(
+        out_dir, config_json(spec), random_weights(spec, seed), tiny_info(spec, seed), num_shards
     )
 
 
-def write_checkpoint(
+def write_qwen3_vl_files(
     out_dir: str | Path,
     config: dict[str, object],
     weights: dict[str, torch.Tensor],
-    tiny_info: dict[str, object],
+    info: dict[str, object],
     num_shards: int = 1,
 ) -> Path:
     """A checkpoint of Qwen3-VL's files (tokenizer, chat template, processor configs) around the
-    given config.json and weights, written atomically into `out_dir`; Qwen3.5's tiny writer
-    uses it too."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
-    try:
-        files = {
-            "config.json": config,
-            "generation_config.json": {
-                "bos_token_id": 151643,
-                "pad_token_id": 151643,
-                "do_sample": True,
-                "eos_token_id": [151645, 151643],
-                "top_k": 20,
-                "top_p": 0.8,
-                "repetition_penalty": 1.0,
-                "temperature": 0.7,
-            },
-            "preprocessor_config.json": _preprocessor("image_processor_type", 65536, 16777216),
-            "video_preprocessor_config.json": _preprocessor("video_processor_type", 4096, 25165824),
-            "tokenizer_config.json": _tokenizer_config(),
-            "chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE},
-        }
-        for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    given config.json, weights and vlmserve_tiny.json, written atomically into `out_dir`;
+    Qwen3.5's tiny writer uses it too."""
+    files = {
+        "config.json": config,
+        "generation_config.json": {
+            "bos_token_id": 151643,
+            "pad_token_id": 151643,
+            "do_sample": True,
+            "eos_token_id": [151645, 151643],
+            "top_k": 20,
+            "top_p": 0.8,
+            "repetition_penalty": 1.0,
+            "temperature": 0.7,
+        },
+        "preprocessor_config.json": _preprocessor("image_processor_type", 65536, 16777216),
+        "video_preprocessor_config.json": _preprocessor("video_processor_type", 4096, 25165824),
+        "tokenizer_config.json": _tokenizer_config(),
+        "chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE},
+        "vlmserve_tiny.json": info,
+    }
+
+    def write_rest(folder: Path) -> None:
         added = [(FIRST_ADDED_ID + k, tok, special) for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)]
-        write_tokenizer_files(tmp, added)
-        save_weights(weights, tmp, num_shards)
-        (tmp / "vlmserve_tiny.json").write_text(json.dumps(tiny_info) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        write_tokenizer_files(folder, added)
+        save_weights(weights, folder, num_shards)
+
+    return write_checkpoint(out_dir, files, write_rest)

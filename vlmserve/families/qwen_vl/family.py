@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from vlmserve.families.common.entry import preset_writer
 from vlmserve.families.qwen_vl.chat_format import chat_prompt, stop_token_ids
 from vlmserve.families.qwen_vl.config import QWEN_VL_ARCHITECTURE, parse_qwen_vl_config, qwen_vl_config
 from vlmserve.families.qwen_vl.model import QWenLMHeadModel
 from vlmserve.families.qwen_vl.processor import QwenVLProcessingInfo, QwenVLProcessor
-from vlmserve.families.qwen_vl.tiny import write_tiny_qwen_vl
+from vlmserve.families.qwen_vl.tiny import PRESETS, write_tiny_qwen_vl
 from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 from vlmserve.family import ModelFamily, ProcessorContext
+from vlmserve.grounding import BoxTags, GroundingConvention
 from vlmserve.processor.base import RenderedChat
 
 
@@ -66,21 +67,6 @@ def render_chat(
     return RenderedChat(chat.token_ids, chat.images)
 
 
-def write_tiny(
-    out_dir: str | Path,
-    *,
-    seed: int = 0,
-    num_shards: int = 1,
-    preset: str = "tiny",
-    nested_config: bool = False,
-    untied: bool = False,
-) -> Path:
-    if nested_config or preset != "tiny":
-        raise ValueError("--arch qwen_vl has one layout and one preset (no --nested-config, --preset)")
-    del untied  # Qwen-VL-Chat's lm_head is always untied
-    return write_tiny_qwen_vl(out_dir, seed=seed, num_shards=num_shards)
-
-
 QWEN_VL = ModelFamily(
     architecture=QWEN_VL_ARCHITECTURE,
     model_type="qwen",
@@ -94,8 +80,11 @@ QWEN_VL = ModelFamily(
     render_chat=render_chat,
     # Its chat() stops on <|im_end|> or <|im_start|> (stop words) as well as <|endoftext|>.
     extra_eos_token_ids=stop_token_ids,
-    grounding_convention="qwen-vl",
-    write_tiny=write_tiny,
+    # `<ref>dog</ref><box>(x1,y1),(x2,y2)</box>` on the 0..1000 scale of the image.
+    grounding=GroundingConvention(
+        "qwen-vl", "normalized", BoxTags(ref=("<ref>", "</ref>"), box=("<box>", "</box>"), quad=("<quad>", "</quad>"))
+    ),
+    write_tiny=preset_writer("qwen_vl", PRESETS, write_tiny_qwen_vl, "flat"),
     inspect_parts={
         "embedding": "transformer.wte",
         "blocks": "transformer.h",

@@ -20,7 +20,6 @@ before it; a prefix cache may share K/V between prompts only where they agree on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +29,12 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import ModelConfig, TextConfig
+from vlmserve.families.common.model import VisionLanguageModel, untied_lm_head
 from vlmserve.families.qwen_vl.config import QwenVLConfig, qwen_vl_config
 from vlmserve.families.qwen_vl.visual import QwenVisionTransformer
-from vlmserve.models.base import VLModel
 from vlmserve.models.layers import Linear, RMSNorm, rotate_half
-from vlmserve.models.loader import WeightTable, load_weights
-from vlmserve.models.parallel import refuse_tensor_parallel
+from vlmserve.models.loader import WeightTable
+from vlmserve.models.parallel import VocabParallelEmbedding, refuse_tensor_parallel
 from vlmserve.multimodal.inputs import MultiModalItem
 
 # Lengths up to seq_length * 2**MAX_DOUBLINGS get their own alpha (2**41 - 1 at most).
@@ -169,7 +168,7 @@ class QWenModel(nn.Module):
         super().__init__()
         text, qwen = config.text, qwen_vl_config(config)
         self.qwen = qwen
-        self.wte = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.wte = VocabParallelEmbedding(text.vocab_size, text.hidden_size)
         self.h = nn.ModuleList([QWenBlock(text, qwen, backend) for _ in range(text.num_hidden_layers)])
         self.ln_f = RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.visual = QwenVisionTransformer(qwen.visual, backend)
@@ -194,19 +193,14 @@ class QWenModel(nn.Module):
         return self.ln_f(h)
 
 
-class QWenLMHeadModel(VLModel):
+class QWenLMHeadModel(VisionLanguageModel):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         refuse_tensor_parallel("Qwen-VL-Chat")
-        super().__init__()
+        super().__init__(config)
         qwen_vl_config(config)  # asserts a Qwen-VL config (model_type 'qwen')
-        self.config = config
         self.transformer = QWenModel(config, backend)
         # The published checkpoint is untied; a tied one gets its lm_head in tie_weights().
-        self.lm_head: Linear | None = (
-            None
-            if config.text.tie_word_embeddings
-            else Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
-        )
+        self.lm_head = untied_lm_head(config.text)
 
     @staticmethod
     def decode_positions(start: int, end: int, mrope_delta: int, num_prompt_tokens: int) -> torch.Tensor:
@@ -218,49 +212,27 @@ class QWenLMHeadModel(VLModel):
         positions[1] = num_prompt_tokens - 1
         return positions  # [3, end - start]
 
-    def tie_weights(self) -> None:
-        if self.config.text.tie_word_embeddings:
-            embed = self.transformer.wte.weight
-            self.lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
-            self.lm_head.weight = embed
+    # -- where the parts are (the checkpoint's `transformer`) ----------------------------------
 
-    # -- the model protocol -------------------------------------------------------------------
+    @property
+    def decoder(self) -> nn.Module:
+        return self.transformer
+
+    @property
+    def token_embedding(self) -> VocabParallelEmbedding:
+        return self.transformer.wte
 
     def vision_encoder(self) -> nn.Module:
         return self.transformer.visual
 
-    def embed_multimodal(self, items: list[MultiModalItem]) -> list[torch.Tensor]:
-        """Encode the images in one batch; one [256, hidden] tensor per item, for the 256 positions
-        between its <img> and </img>."""
-        if not items:
-            return []
+    def encode(self, items: list[MultiModalItem], device: torch.device) -> torch.Tensor:
+        """The images in one batch: [256 * len(items), hidden], each image's 256 rows for the 256
+        positions between its <img> and </img>."""
         n_queries = qwen_vl_config(self.config).visual.n_queries
         bad = [item.length for item in items if item.length != n_queries]
         assert not bad, f"Qwen-VL images take {n_queries} placeholder tokens each, items have {bad}"
-        device = self.transformer.wte.weight.device
         pixel_values = torch.stack([item.pixel_values for item in items]).to(device, non_blocking=True)
-        return list(self.transformer.visual(pixel_values).unbind(0))
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.transformer.wte(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-        layer_extras: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        assert layer_extras is None, "this family's items carry no per-layer extras"
-        if inputs_embeds is None:
-            assert input_ids is not None
-            inputs_embeds = self.get_input_embeddings(input_ids)
-        return self.transformer(inputs_embeds, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.lm_head is not None, "tie_weights() runs when the model is built"
-        return self.lm_head(hidden)
+        return self.transformer.visual(pixel_values).flatten(0, 1)
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -269,10 +241,5 @@ class QWenLMHeadModel(VLModel):
         return WeightTable(
             # Module names are the checkpoint's; only conv1's kernel changes shape.
             reshape={"transformer.visual.conv1.weight": lambda w: w.reshape(width, -1)},
-            ignore=lambda name: (
-                name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
-            ),
+            ignore=self.ignores_weight,
         )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weights(self, weights, self.weight_table())

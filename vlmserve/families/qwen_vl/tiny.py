@@ -3,15 +3,20 @@ remote-code config.json, safetensors under the published names)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from vlmserve.families.common.tiny import (
+    QWEN_VL_BLOCK,
+    RandomWeights,
+    in_dtype,
+    layer_norm_vision_block,
+    tiny_info,
+    write_checkpoint,
+)
 from vlmserve.model_files import VOCAB_SIZE, save_weights
 
 # -- Qwen-VL-Chat (first generation) ------------------------------------------------------------
@@ -36,6 +41,10 @@ class QwenVLTinySpec:
     vision_mlp_ratio: float = 4.9231  # the published ratio: int(32 * 4.9231) = 157 wide
     image_size: int = 448
     dtype: str = "bfloat16"
+
+
+# `vlmserve make-tiny --arch qwen_vl` writes the one preset (its lm_head is always untied).
+PRESETS = {("qwen_vl", "tiny"): QwenVLTinySpec()}
 
 
 def qwen_vl_config(
@@ -134,74 +143,52 @@ def qwen_vl_random_weights(spec: QwenVLTinySpec, seed: int = 0) -> dict[str, tor
     """Weights under the published Qwen-VL-Chat names; scales keep activations near unit size."""
     from vlmserve.families.qwen_vl.visual import sincos_pos_embed_2d
 
-    g = torch.Generator().manual_seed(seed)
-
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
-
-    def vec(n: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        return mean + std * torch.randn(n, generator=g)
-
+    w = RandomWeights(seed)
     h, mlp = spec.hidden_size, spec.intermediate_size // 2
-    w: dict[str, torch.Tensor] = {"transformer.wte.weight": 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)}
+    weights: dict[str, torch.Tensor] = {"transformer.wte.weight": w.embedding(VOCAB_SIZE, h)}
     for layer in range(spec.num_hidden_layers):
         p = f"transformer.h.{layer}."
-        w |= {
-            p + "ln_1.weight": vec(h, 1.0, 0.1),
-            p + "attn.c_attn.weight": linear(3 * h, h),
-            p + "attn.c_attn.bias": vec(3 * h, std=0.1),
-            p + "attn.c_proj.weight": linear(h, h),
-            p + "ln_2.weight": vec(h, 1.0, 0.1),
-            p + "mlp.w1.weight": linear(mlp, h),
-            p + "mlp.w2.weight": linear(mlp, h),
-            p + "mlp.c_proj.weight": linear(h, mlp),
+        weights |= {
+            p + "ln_1.weight": w.vec(h, 1.0, 0.1),
+            p + "attn.c_attn.weight": w.linear(3 * h, h),
+            p + "attn.c_attn.bias": w.vec(3 * h, std=0.1),
+            p + "attn.c_proj.weight": w.linear(h, h),
+            p + "ln_2.weight": w.vec(h, 1.0, 0.1),
+            p + "mlp.w1.weight": w.linear(mlp, h),
+            p + "mlp.w2.weight": w.linear(mlp, h),
+            p + "mlp.c_proj.weight": w.linear(h, mlp),
         }
-    w["transformer.ln_f.weight"] = vec(h, 1.0, 0.1)
-    w["lm_head.weight"] = 0.3 * torch.randn(VOCAB_SIZE, h, generator=g)
+    weights["transformer.ln_f.weight"] = w.vec(h, 1.0, 0.1)
+    weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
 
     e, v_mlp = spec.vision_width, int(spec.vision_width * spec.vision_mlp_ratio)
     v = "transformer.visual."
-    w |= {
-        v + "conv1.weight": torch.randn(e, 3, 14, 14, generator=g) / (3 * 14 * 14) ** 0.5,
-        v + "positional_embedding": torch.randn(256, e, generator=g),
-        v + "ln_pre.weight": vec(e, 1.0, 0.1),
-        v + "ln_pre.bias": vec(e),
+    weights |= {
+        v + "conv1.weight": w.randn(e, 3, 14, 14) / (3 * 14 * 14) ** 0.5,
+        v + "positional_embedding": w.randn(256, e),
+        v + "ln_pre.weight": w.vec(e, 1.0, 0.1),
+        v + "ln_pre.bias": w.vec(e),
     }
     for block in range(spec.vision_layers):
-        p = f"{v}transformer.resblocks.{block}."
-        w |= {
-            p + "ln_1.weight": vec(e, 1.0, 0.1),
-            p + "ln_1.bias": vec(e),
-            p + "ln_2.weight": vec(e, 1.0, 0.1),
-            p + "ln_2.bias": vec(e),
-            p + "attn.in_proj.weight": linear(3 * e, e),
-            p + "attn.in_proj.bias": vec(3 * e, std=0.1),
-            p + "attn.out_proj.weight": linear(e, e),
-            p + "attn.out_proj.bias": vec(e),
-            p + "mlp.c_fc.weight": linear(v_mlp, e),
-            p + "mlp.c_fc.bias": vec(v_mlp),
-            p + "mlp.c_proj.weight": linear(e, v_mlp),
-            p + "mlp.c_proj.bias": vec(e),
-        }
+        weights |= layer_norm_vision_block(w, f"{v}transformer.resblocks.{block}.", e, v_mlp, QWEN_VL_BLOCK)
     a = v + "attn_pool."
-    w |= {
-        a + "query": torch.randn(256, h, generator=g),
+    weights |= {
+        a + "query": w.randn(256, h),
         a + "pos_embed": sincos_pos_embed_2d(h, 16),  # fixed, as the reference initialises it
-        a + "kv_proj.weight": linear(h, e),
-        a + "attn.in_proj_weight": linear(3 * h, h),
-        a + "attn.in_proj_bias": vec(3 * h, std=0.1),
-        a + "attn.out_proj.weight": linear(h, h),
-        a + "attn.out_proj.bias": vec(h),
-        a + "ln_q.weight": vec(h, 1.0, 0.1),
-        a + "ln_q.bias": vec(h),
-        a + "ln_kv.weight": vec(h, 1.0, 0.1),
-        a + "ln_kv.bias": vec(h),
-        v + "ln_post.weight": vec(h, 1.0, 0.1),
-        v + "ln_post.bias": vec(h),
-        v + "proj": linear(h, h),
+        a + "kv_proj.weight": w.linear(h, e),
+        a + "attn.in_proj_weight": w.linear(3 * h, h),
+        a + "attn.in_proj_bias": w.vec(3 * h, std=0.1),
+        a + "attn.out_proj.weight": w.linear(h, h),
+        a + "attn.out_proj.bias": w.vec(h),
+        a + "ln_q.weight": w.vec(h, 1.0, 0.1),
+        a + "ln_q.bias": w.vec(h),
+        a + "ln_kv.weight": w.vec(h, 1.0, 0.1),
+        a + "ln_kv.bias": w.vec(h),
+        v + "ln_post.weight": w.vec(h, 1.0, 0.1),
+        v + "ln_post.bias": w.vec(h),
+        v + "proj": w.linear(h, h),
     }
-    dtype = getattr(torch, spec.dtype)
-    return {name: t.to(dtype).contiguous() for name, t in w.items()}
+    return in_dtype(weights, spec.dtype)
 
 
 def write_tiny_qwen_vl(
@@ -214,24 +201,15 @@ def write_tiny_qwen_vl(
     *.py files; neither is written.)"""
     from vlmserve.tools.tiktoken_to_hf import qwen_tiktoken_path
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
-    try:
-        files = {
-            "config.json": _qwen_vl_spec_config(spec),
-            "generation_config.json": QWEN_VL_GENERATION_CONFIG,
-            "tokenizer_config.json": QWEN_VL_TOKENIZER_CONFIG,
-        }
-        for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        shutil.copyfile(qwen_tiktoken_path(), tmp / "qwen.tiktoken")
-        save_weights(qwen_vl_random_weights(spec, seed), tmp, num_shards)
-        (tmp / "vlmserve_tiny.json").write_text(json.dumps({"spec": asdict(spec), "seed": seed}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    files: dict[str, object] = {
+        "config.json": _qwen_vl_spec_config(spec),
+        "generation_config.json": QWEN_VL_GENERATION_CONFIG,
+        "tokenizer_config.json": QWEN_VL_TOKENIZER_CONFIG,
+        "vlmserve_tiny.json": tiny_info(spec, seed),
+    }
+
+    def write_rest(folder: Path) -> None:
+        shutil.copyfile(qwen_tiktoken_path(), folder / "qwen.tiktoken")
+        save_weights(qwen_vl_random_weights(spec, seed), folder, num_shards)
+
+    return write_checkpoint(out_dir, files, write_rest)
