@@ -16,7 +16,7 @@ from PIL import Image
 from vlmserve.families.qwen2_vl.tiny import TinySpec, write_tiny_qwen2_vl
 
 if TYPE_CHECKING:
-    from tests.serve.conftest import Server
+    from tests.api.conftest import Server
 
 torch.set_num_threads(2)
 
@@ -27,9 +27,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Markers by the folder a test lives in (registered in pyproject.toml), so that `pytest -m "not
 # server"` and the like select a part of the suite. `slow`, and `server` on the few tests outside
-# tests/serve that start a server, are marked in their modules.
+# tests/api that start a server, are marked in their modules.
 FOLDER_MARKERS = {
-    "serve": "server",  # the server's tests: most start a real `vlmserve serve` process
+    "api": "server",  # the API process's tests: most start a real `vlmserve serve` process
     "kernels": "kernels",  # the compiled CPU kernels
     "attention": "kernels",  # the Triton kernels, run by the Triton interpreter
 }
@@ -279,7 +279,7 @@ def hf35_moe_model(tiny35_moe_dir: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from tests.serve.conftest import start_server
+    from tests.api.conftest import start_server
 
     s = start_server(tiny_dir, tmp_path_factory.mktemp("server"))
     yield s
@@ -289,7 +289,7 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="session")
 def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Qwen-VL-Chat with the default flags."""
-    from tests.serve.conftest import start_server
+    from tests.api.conftest import start_server
 
     s = start_server(tiny_qwen_vl_dir, tmp_path_factory.mktemp("qwen-vl-server"))
     yield s
@@ -299,7 +299,7 @@ def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Qwen3-VL with the default flags."""
-    from tests.serve.conftest import start_server
+    from tests.api.conftest import start_server
 
     s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
     yield s

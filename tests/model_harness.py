@@ -9,11 +9,11 @@ import torch
 
 from vlmserve.attention import select_backend
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.engine.contracts import NewRequestData
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request
 from vlmserve.engine.request_state import CachedRequestState
+from vlmserve.ipc.contracts import NewRequestData
 from vlmserve.models.base import item_rows, place_multimodal
 from vlmserve.models.build import build_model
 from vlmserve.multimodal.inputs import ProcessedPrompt

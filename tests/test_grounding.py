@@ -11,8 +11,7 @@ from PIL import Image
 
 from tests.conftest import random_image
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.contracts import EngineCoreOutput
-from vlmserve.engine.output_processor import OutputProcessor
+from vlmserve.api.output_processor import OutputProcessor
 from vlmserve.grounding import (
     PALETTE,
     Box,
@@ -23,6 +22,7 @@ from vlmserve.grounding import (
     format_boxes,
     parse_boxes,
 )
+from vlmserve.ipc.contracts import EngineCoreOutput
 from vlmserve.multimodal.image import smart_resize
 from vlmserve.outputs import MultiModalItemInfo
 from vlmserve.registry import GROUNDING_CONVENTIONS, convention_for_model, grounding_convention

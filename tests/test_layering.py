@@ -85,7 +85,7 @@ def _code_tokens(source: str) -> list[tokenize.TokenInfo]:
 
 def test_engine_and_server_code_names_no_family() -> None:
     offenders = []
-    for folder in ("engine", "serve"):
+    for folder in ("engine", "api", "ipc"):
         for path in sorted((PACKAGE / folder).glob("*.py")):
             for tok in _code_tokens(path.read_text(encoding="utf-8")):
                 if FAMILY_WORD.search(tok.string):

@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vlmserve.engine.beam_search import BeamSearchParams
+    from vlmserve.api.beam_search import BeamSearchParams
     from vlmserve.entrypoints.llm import LLM
     from vlmserve.outputs import CompletionOutput, RequestOutput
     from vlmserve.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "Samp
 # arguments do not wait for torch.
 _LAZY = {
     "LLM": "vlmserve.entrypoints.llm",
-    "BeamSearchParams": "vlmserve.engine.beam_search",
+    "BeamSearchParams": "vlmserve.api.beam_search",
     "CompletionOutput": "vlmserve.outputs",
     "RequestOutput": "vlmserve.outputs",
     "SamplingParams": "vlmserve.sampling_params",

@@ -1,6 +1,9 @@
-"""Errors a user can put right, which the command line reports in one line (no traceback)."""
+"""Errors a user can put right: the command line reports them in one line (no traceback), the
+server in OpenAI's error shape."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class UserError(Exception):
@@ -13,3 +16,27 @@ class UsageError(UserError):
     """The command line itself is wrong (an option's value, a path that names nothing): exit 2."""
 
     exit_code = 2
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -3,7 +3,7 @@ the parsers vlmserve implements (vLLM's flags, so that a `vllm serve` command li
 
 from __future__ import annotations
 
-# vLLM's "qwen3": <think>...</think> split off as reasoning_content (vlmserve/serve/reasoning.py).
+# vLLM's "qwen3": <think>...</think> split off as reasoning_content (vlmserve/api/reasoning.py).
 REASONING_PARSERS = ("qwen3",)
-# vLLM's "hermes": <tool_call>{...}</tool_call> blocks (vlmserve/serve/tool_parsers.py).
+# vLLM's "hermes": <tool_call>{...}</tool_call> blocks (vlmserve/api/tool_parsers.py).
 TOOL_CALL_PARSERS = ("hermes",)

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from vlmserve.engine.contracts import SchedulerOutput
 from vlmserve.engine.request import Request
+from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 

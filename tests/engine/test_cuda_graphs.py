@@ -94,7 +94,7 @@ def test_a_padded_decode_step_equals_the_eager_step_and_writes_only_its_slots(
 def test_enforce_eager_and_gpu_memory_utilization_flags_parse(bad: float) -> None:
     import argparse
 
-    from vlmserve.serve.options import add_arguments
+    from vlmserve.api.options import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

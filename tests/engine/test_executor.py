@@ -159,8 +159,8 @@ def test_a_worker_for_node_0_is_refused_in_one_line(tiny_dir: Path, capsys: pyte
 
 def test_data_parallel_engines_take_disjoint_cuda_devices_for_their_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """-dp 2 -tp 2 on CUDA: engine k's ranks on cuda:2k and cuda:2k+1, never a device twice."""
+    from vlmserve.api.dp_client import engine_configs
     from vlmserve.errors import UserError
-    from vlmserve.serve.dp_client import engine_configs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

@@ -22,7 +22,7 @@ from tests.engine.test_preemption_multimodal import (
 )
 from tests.reference import hf_mm_prompt_ids
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.processor.base import ImageInput
 
 __all__ = ["start_trace"]  # the fixture, used by name

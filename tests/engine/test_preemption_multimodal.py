@@ -21,8 +21,8 @@ from tests.entrypoints.test_llm import chat_prompt
 from tests.reference import hf_mm_prompt_ids, hf_prompt_ids, mm_token_type_ids
 from vlmserve import SamplingParams
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.engine.request import Request
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.video import VideoOptions
 from vlmserve.outputs import RequestOutput

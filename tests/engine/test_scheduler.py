@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tests.engine.helpers import encoder_inputs, make_request
 from vlmserve.engine.cache_coordinator import CacheCoordinator
-from vlmserve.engine.contracts import EngineCoreEventType, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.request import RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.ipc.contracts import EngineCoreEventType, ModelRunnerOutput, SchedulerOutput
 
 
 def make_scheduler(

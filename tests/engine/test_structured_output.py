@@ -199,7 +199,7 @@ def test_the_core_fills_each_steps_masks_once_and_its_matchers_take_only_steps_t
 def test_spec_travels_as_plain_data() -> None:
     """SamplingParams cross to the engine process by msgspec: the spec arrives whole, the schema
     as its JSON text."""
-    from vlmserve.engine import serial
+    from vlmserve.ipc import serial
 
     params = SamplingParams(
         structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)

@@ -130,7 +130,7 @@ def test_a_busy_port_is_one_line_before_loading(tiny_dir: Path) -> None:
 def test_an_engine_that_cannot_start_is_reported_at_once_not_restarted(tiny_dir: Path) -> None:
     """The engine process refuses the KV size after loading the model: the server says so and
     exits 1 (before: the engine was started 4 times, then the server waited 600 s)."""
-    from tests.serve.conftest import free_port
+    from tests.api.conftest import free_port
 
     result = vlmserve("serve", str(tiny_dir), "--port", str(free_port()), "--kv-cache-memory-gib", "1e-9")
     assert result.returncode == 1, result.stderr
@@ -203,7 +203,7 @@ def test_serve_logs_one_banner_weight_progress_and_throughput_lines(tiny_dir: Pa
     import json
     import time
 
-    from tests.serve.conftest import start_server
+    from tests.api.conftest import start_server
 
     server = start_server(tiny_dir, tmp_path, "--log-level", "info", "--log-stats-interval", "0.5", api_key=None)
     try:

@@ -16,7 +16,7 @@ from PIL import Image
 from tests.beam_oracle import EOS, exhaustive, load_hf, write_small_vocab
 from tests.conftest import random_image
 from tests.reference import IMAGE_TOKEN_ID, hf_prompt_ids
-from vlmserve.engine.beam_search import BeamSearchParams
+from vlmserve.api.beam_search import BeamSearchParams
 from vlmserve.entrypoints.llm import LLM
 
 PROMPT = [0]  # one token: the score's length (prompt included) differs most between beams

@@ -197,7 +197,7 @@ def test_a_logit_bias_past_the_vocabulary_is_refused_by_name(llm: LLM, cases) ->
 
 
 def test_generation_config_modes() -> None:
-    from vlmserve.engine.frontend import sampling_defaults
+    from vlmserve.api.frontend import sampling_defaults
 
     qwen2_vl_instruct = {
         "do_sample": True,

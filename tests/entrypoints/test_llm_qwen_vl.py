@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.api.conftest import segments_left
 from tests.conftest import random_image
 from tests.models.test_qwen_vl import DenseReference
 from tests.qwen_vl.test_processor import seed_pixels
-from tests.serve.conftest import segments_left
 from vlmserve import LLM, SamplingParams
 from vlmserve.families.qwen_vl.chat_format import make_context
+from vlmserve.ipc import shm
 from vlmserve.multimodal import handles
 from vlmserve.outputs import RequestOutput
-from vlmserve.serve import shm
 
 MAX_NEW = 6
 IM_END, IM_START, ENDOFTEXT = 151645, 151644, 151643

@@ -251,7 +251,7 @@ def test_qwen2_5_vl_video_through_token_handles_answers_as_chat(llm25: LLM, tmp_
     """Seed 004 for a video: the ids from LLM.tokenize (handle, grid and seconds per temporal patch
     in the video's first placeholders) give the chat's tokens and logprobs, absolute-time
     positions included (0.625 s per patch, not the default 1 s), and free their segment."""
-    from tests.serve.conftest import segments_left
+    from tests.api.conftest import segments_left
 
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(write_video(10, fps=8, width=168, height=112))  # 4 frames at 3.2 fps

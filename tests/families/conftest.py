@@ -237,8 +237,8 @@ def reference(case: Case, model_dir: Path, request: pytest.FixtureRequest) -> Re
 @pytest.fixture(scope="module")
 def frontend(model_dir: Path):  # type: ignore[no-untyped-def]
     """The family's tokenizer, chat rendering and processor (no model)."""
+    from vlmserve.api.frontend import load_frontend
     from vlmserve.engine.config import EngineConfig
-    from vlmserve.engine.frontend import load_frontend
 
     return load_frontend(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=4096))
 

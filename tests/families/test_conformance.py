@@ -253,7 +253,7 @@ def served(case: Any, model_dir: Path, request: pytest.FixtureRequest, tmp_path_
     if case.server is not None:
         yield request.getfixturevalue(case.server)
         return
-    from tests.serve.conftest import start_server
+    from tests.api.conftest import start_server
 
     server = start_server(model_dir, tmp_path_factory.mktemp("server"))
     yield server
@@ -267,9 +267,9 @@ def test_a_served_request_is_answered_as_offline(family: ModelFamily, served: An
     import openai
     from PIL import Image
 
-    from tests.serve.conftest import data_url
-    from tests.serve.test_video_server import ask, assert_same_answer, offline_answer
-    from tests.serve.test_video_server import served as served_tokens
+    from tests.api.conftest import data_url
+    from tests.api.test_video_server import ask, assert_same_answer, offline_answer
+    from tests.api.test_video_server import served as served_tokens
 
     image = Image.open(pictures["square"])
     picture = data_url(image)
@@ -292,7 +292,7 @@ def test_list_of_dicts_with_shared_memory_handles_generate_what_chat_does(
     """LLM.tokenize([{"text"}, {"image"}, {"text"}]) puts the image's pixels in a shared-memory
     segment and its handle in the token ids; generating from those ids gives chat's prompt and
     image and chat's tokens and logprobs, and frees the segment."""
-    from tests.serve.conftest import segments_left
+    from tests.api.conftest import segments_left
     from vlmserve import SamplingParams
     from vlmserve.multimodal import handles
 

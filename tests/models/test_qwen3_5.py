@@ -24,7 +24,7 @@ from tests.engine.test_preemption_multimodal import (
 from tests.model_harness import Harness
 from tests.reference import hf_mm_prompt_ids
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.families.qwen3_5 import deltanet
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
 from vlmserve.multimodal.inputs import ProcessedPrompt

@@ -18,13 +18,13 @@ from torch import nn
 
 from tests.model_harness import Harness
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.engine.contracts import NewRequestData, SchedulerOutput
 from vlmserve.engine.kv_cache import KVCacheManager
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.entrypoints.cli import main as cli_main
 from vlmserve.families.qwen_vl.config import qwen_vl_config
 from vlmserve.families.qwen_vl.model import QwenRotaryEmbedding, apply_qwen_rotary, logn_factors, ntk_alpha
 from vlmserve.families.qwen_vl.visual import resize_pos_embed
+from vlmserve.ipc.contracts import NewRequestData, SchedulerOutput
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.registry import load_model_config, parse_model_config
 from vlmserve.sampling_params import SamplingParams

@@ -33,7 +33,7 @@ def test_the_tiny_qwen2_5_vl_is_laid_out_as_published(tiny25_dir: Path) -> None:
 
 
 def test_tools_render_in_the_tokenizer_s_template(tiny25_dir: Path) -> None:
-    # (tests/serve/test_tool_calls_server.py checks these prompts against transformers' tokenizer.)
+    # (tests/api/test_tool_calls_server.py checks these prompts against transformers' tokenizer.)
     tokenizer = Tokenizer(tiny25_dir)
     ours = render_chat(tokenizer, HISTORY, True, None, {"tools": TOOLS}).prompt
     assert ours.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.")

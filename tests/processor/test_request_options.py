@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import random_image
 from tests.processor.test_qwen2_vl import make_processor
+from vlmserve.api.frontend import Frontend, load_frontend
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.frontend import Frontend, load_frontend
 from vlmserve.processor.base import ImageInput, VideoInput
 from vlmserve.processor.media_options import apply_media_defaults, media_defaults
 from vlmserve.processor.truncation import truncate_ids, truncate_prompt, truncation_size

@@ -95,9 +95,9 @@ def test_positions(qwen_vl_tokenizer: QwenVLTokenizer, images: dict[str, Path]) 
     # Decoded tokens keep the prompt's length for NTK (the reference caches ntk_alpha at prefill),
     # also when a preempted request recomputes them together with its prompt: the model's rule,
     # applied by the runner past the prompt's own positions.
-    from vlmserve.engine.contracts import NewRequestData
     from vlmserve.engine.request_state import CachedRequestState
     from vlmserve.families.qwen_vl.model import QWenLMHeadModel
+    from vlmserve.ipc.contracts import NewRequestData
     from vlmserve.sampling_params import SamplingParams
 
     decoded = QWenLMHeadModel.decode_positions(n, n + 3, out.mrope_delta, n)

@@ -11,7 +11,7 @@ import pytest
 import tiktoken
 from tokenizers.decoders import DecodeStream
 
-from vlmserve.engine.detokenizer import IncrementalDetokenizer
+from vlmserve.api.detokenizer import IncrementalDetokenizer
 from vlmserve.families.qwen_vl.chat_format import make_context
 from vlmserve.families.qwen_vl.tokenizer import IMAGE_ST, QwenVLTokenizer, cache_dir
 from vlmserve.sampling_params import SamplingParams

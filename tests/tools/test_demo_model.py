@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.api.conftest import Server, start_server
 from tests.entrypoints.test_cli import REPO, vlmserve
-from tests.serve.conftest import Server, start_server
 from vlmserve import LLM
 from vlmserve.kernels.cpu import load_cpu_kernels
 from vlmserve.tools import scenes
@@ -217,7 +217,7 @@ def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
 
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tests.serve.test_web_ui import _ask, _attach, _browser, _open_page, _set
+    from tests.api.test_web_ui import _ask, _attach, _browser, _open_page, _set
 
     browser = _browser()
     try:

@@ -31,8 +31,8 @@ from vlmserve.bench.run_vlmserve import run_vlmserve
 from vlmserve.bench.sampling import sampling_fields
 from vlmserve.bench.single import run_single
 from vlmserve.bench.workload import BenchRequest, make_workload, max_model_len_for
-from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.entrypoints.llm import LLM
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.kernels.dispatch import linear_op_json
 from vlmserve.models.layers import bound_linear_op
 from vlmserve.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from typing import Any
 from vlmserve.bench.metrics import RequestTiming, RunResult
 from vlmserve.bench.sampling import JSON_SCHEMA, request_schema
 from vlmserve.bench.workload import BenchRequest
-from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
 

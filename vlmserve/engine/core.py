@@ -12,14 +12,14 @@ from vlmserve.attention import select_backend
 from vlmserve.engine.cache_coordinator import CacheCoordinator
 from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
-from vlmserve.engine.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.executor import ExecutorError, InProcessExecutor, make_executor
 from vlmserve.engine.memory import MemoryPlan, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
 from vlmserve.engine.structured_output import GrammarCompiler, StructuredOutputs
-from vlmserve.engine.worker_messages import RankInfo
+from vlmserve.ipc.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vlmserve.ipc.worker_messages import RankInfo
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams

@@ -23,13 +23,13 @@ from typing import NoReturn, Protocol
 import torch
 
 from vlmserve.attention import AttentionBackend
-from vlmserve.engine import serial
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.contracts import SchedulerOutput
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.step_isolation import execute_or_isolate
 from vlmserve.engine.worker import RankSpec, Worker, spawn_ranks, stop_ranks, worker_setup_json
-from vlmserve.engine.worker_messages import (
+from vlmserve.ipc import serial
+from vlmserve.ipc.contracts import SchedulerOutput
+from vlmserve.ipc.worker_messages import (
     BindCaches,
     DigestRequests,
     Execute,

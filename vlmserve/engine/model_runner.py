@@ -22,13 +22,13 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
 from vlmserve.distributed.control import share_sampled
-from vlmserve.engine.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.cuda_graphs import Capture, DecodeGraphs
 from vlmserve.engine.profile_step import profile_worst_step
 from vlmserve.engine.prompt_logprobs import finished_buffer
 from vlmserve.engine.request_state import CachedRequestState
 from vlmserve.engine.sampler import GrammarMask, Sampler, token_logprobs
 from vlmserve.engine.step_batch import StepBatch, attention_metadata, prepare
+from vlmserve.ipc.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.models.base import VLModel, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 

@@ -4,7 +4,7 @@ memory, run once at start-up on a scratch KV cache, its peak measured (engine/me
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -12,13 +12,12 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.state import SequenceState
 from vlmserve.engine.logits_processors import TokenHistory
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
+from vlmserve.engine.sampler import Sampler
 from vlmserve.engine.step_batch import attention_metadata
+from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from vlmserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +29,23 @@ PROFILED_SAMPLING = [
 ]
 
 
+class ProfiledRunner(Protocol):
+    """What the worst-case step needs of the model runner."""
+
+    model: VLModel
+    device: torch.device
+    dtype: torch.dtype
+    sampler: Sampler
+    block_size: int
+    attention_layers: list[PagedAttention]
+    state_layers: list[SequenceState]
+
+    def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None: ...
+
+
 @torch.inference_mode()
 def profile_worst_step(
-    runner: ModelRunner,
+    runner: ProfiledRunner,
     dummy_items: list[MultiModalItem],
     num_tokens: int,
     max_model_len: int,
@@ -107,7 +120,7 @@ def profile_worst_step(
     return max(0, peak - baseline)
 
 
-def _sample(runner: ModelRunner, hidden: torch.Tensor, rows: int, max_model_len: int) -> None:
+def _sample(runner: ProfiledRunner, hidden: torch.Tensor, rows: int, max_model_len: int) -> None:
     logits = runner.model.compute_logits(hidden)  # as a step hands them to the sampler
     params = [PROFILED_SAMPLING[i % len(PROFILED_SAMPLING)] for i in range(rows)]
     # Half prompt, half output, at full length (one list shared: the sampler only reads it).

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.engine.contracts import TokenLogprobs
 from vlmserve.engine.sampler import token_logprobs
+from vlmserve.ipc.contracts import TokenLogprobs
 
 # Rows put through the LM head at once: [ROWS_PER_PASS, vocab] float32 logits at most.
 ROWS_PER_PASS = 64

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from vlmserve.engine.contracts import EngineCoreEvent, EngineCoreEventType
+from vlmserve.ipc.contracts import EngineCoreEvent, EngineCoreEventType
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 

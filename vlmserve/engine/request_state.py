@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.engine.contracts import CachedRequestData, NewRequestData, TokenLogprobs
 from vlmserve.engine.logits_processors import TokenHistory
 from vlmserve.engine.prompt_logprobs import new_buffer
+from vlmserve.ipc.contracts import CachedRequestData, NewRequestData, TokenLogprobs
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
 

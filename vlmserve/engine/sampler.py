@@ -16,13 +16,13 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmserve.engine.contracts import TokenLogprobs
 from vlmserve.engine.draw import RowMasks, argmax_rows, draw_whole_vocabulary, draw_with_cut, has_cut
 from vlmserve.engine.draw import apply_min_p as apply_min_p
 from vlmserve.engine.draw import apply_top_k_top_p as apply_top_k_top_p
 from vlmserve.engine.logits_processors import GrammarMask as GrammarMask
 from vlmserve.engine.logits_processors import TokenHistory as TokenHistory
 from vlmserve.engine.logits_processors import anything_to_apply, apply_in_place, has_masks
+from vlmserve.ipc.contracts import TokenLogprobs
 from vlmserve.kernels.cpu import load_cpu_kernels
 from vlmserve.sampling_params import SamplingParams
 

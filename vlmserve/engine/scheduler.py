@@ -25,7 +25,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from vlmserve.engine.cache_coordinator import CacheCoordinator
-from vlmserve.engine.contracts import (
+from vlmserve.engine.encoder_cache import EncoderCacheManager
+from vlmserve.engine.request import Request, RequestStatus
+from vlmserve.ipc.contracts import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
@@ -33,8 +35,6 @@ from vlmserve.engine.contracts import (
     NewRequestData,
     SchedulerOutput,
 )
-from vlmserve.engine.encoder_cache import EncoderCacheManager
-from vlmserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmserve.attention.metadata import AttentionMetadata
-from vlmserve.engine.contracts import SchedulerOutput
 from vlmserve.engine.prompt_logprobs import PromptLogprobsRows
 from vlmserve.engine.request_state import CachedRequestState, DecodePositions
+from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.models.base import item_rows
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmserve.engine.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.model_runner import ModelRunner
-from vlmserve.engine.worker_messages import StepResult
+from vlmserve.ipc.contracts import ModelRunnerOutput, SchedulerOutput
+from vlmserve.ipc.worker_messages import StepResult
 
 logger = logging.getLogger(__name__)
 

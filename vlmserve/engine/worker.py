@@ -28,13 +28,13 @@ import torch
 from vlmserve.attention import AttentionBackend, select_backend
 from vlmserve.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_group
 from vlmserve.distributed.control import MESSAGE, GroupFailed, broadcast_bytes
-from vlmserve.engine import serial
 from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len
 from vlmserve.engine.config import EngineConfig, resolve_dtype
 from vlmserve.engine.memory import default_budget
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.step_isolation import execute_or_isolate
-from vlmserve.engine.worker_messages import (
+from vlmserve.ipc import serial
+from vlmserve.ipc.worker_messages import (
     BindCaches,
     DigestRequests,
     Execute,

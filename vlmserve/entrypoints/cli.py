@@ -68,13 +68,13 @@ class Command:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from vlmserve.serve.options import add_arguments
+    from vlmserve.api.options import add_arguments
 
     add_arguments(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vlmserve.serve.options import bind
+    from vlmserve.api.options import bind
 
     _check_model(args.model)
     if args.engine_stall_timeout < args.engine_heartbeat_timeout:
@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before the model loads: a busy port is said at once
     if args.debug:
         args.log_level = "debug"
-    from vlmserve.serve.server import run
+    from vlmserve.api.server import run
 
     return run(args, sock)
 

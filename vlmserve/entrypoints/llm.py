@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmserve.engine.beam_search import (
+from vlmserve.api.beam_search import (
     BeamSearch,
     BeamSearchOutput,
     BeamSearchParams,
@@ -19,7 +19,7 @@ from vlmserve.engine.beam_search import (
     run_beam_search,
 )
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
@@ -125,7 +125,7 @@ class LLM:
         and its segment handle (and grid or shape, a video's seconds) in its first placeholder
         positions. Submit the ids as {"prompt_token_ids": ids} (here or to a server's engine);
         the segments are released when they are read."""
-        from vlmserve.serve.token_handles import tokenize
+        from vlmserve.api.list_format import tokenize
 
         return tokenize(self.llm_engine.frontend, inputs)
 
@@ -226,7 +226,7 @@ class LLM:
 
     def _from_token_handles(self, ids: list[int], where: str) -> ProcessedPrompt:
         """Token ids carrying shared-memory handles (LLM.tokenize): pixels read, segments released."""
-        from vlmserve.serve.token_handles import decode
+        from vlmserve.ipc.token_handles import decode
 
         try:
             ids, items = decode(ids, self.llm_engine.processor)
@@ -242,7 +242,7 @@ class LLM:
     def _release_handles(self, prompt: object) -> None:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
-            from vlmserve.serve.token_handles import release
+            from vlmserve.ipc.token_handles import release
 
             release(ids, self.llm_engine.processor)
 
@@ -252,7 +252,7 @@ class LLM:
         """vLLM's LLM.beam_search: prompts as generate takes them (images and videos too), one
         BeamSearchOutput each, its beam_width best sequences best first. As in vLLM's offline
         API, a sequence's `tokens` and `text` hold the prompt's and the beam's (an ending eos
-        included); the rules are vlmserve.engine.beam_search's."""
+        included); the rules are vlmserve.api.beam_search's."""
         batch = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         processed = [self._process_prompt(p, f"prompts[{i}]") for i, p in enumerate(batch)]
         engine = self.llm_engine

@@ -3,7 +3,7 @@
 Every value is far above any token id, so a prompt carrying them cannot be mistaken for a plain
 one, and each says what it is:
 
-    handle   1 << 61 | pid << 38 | id          the segment's name (vlmserve.serve.shm)
+    handle   1 << 61 | pid << 38 | id          the segment's name (vlmserve.ipc.shm)
     value    1 << 62 | kind << 60 | payload
       kind 0   an image's grid (t, h, w)        20 bits each: t << 40 | h << 20 | w
       kind 1   a video's grid (t, h, w)         the same

@@ -83,7 +83,7 @@ class ProcessingInfo(Protocol):
 
     # Seed 004: an item may travel as a shared-memory segment whose handle sits at the item's
     # first placeholder (item.offset), followed by the values handle_payload gives
-    # (vlmserve.multimodal.handles); vlmserve.serve.token_handles does the shared-memory part.
+    # (vlmserve.multimodal.handles); vlmserve.ipc.token_handles does the shared-memory part.
 
     def handle_payload(self, item: MultiModalItem) -> tuple[np.ndarray, list[int]]:
         """The array to put in the item's segment and the int64 values written after its handle."""

@@ -1,0 +1,115 @@
+"""A choice's text as the message the client gets, with both parsers on: reasoning split off
+first, tool calls read from the rest; streamed deltas put together give the same message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlmserve.api.chat_output import ChatParsing
+from vlmserve.api.tool_calling import ChatTool, NamedToolChoice, forced_tool_schema, template_messages
+
+TOOLS = [
+    ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+    ChatTool.model_validate({"type": "function", "function": {"name": "g"}}),
+]
+ANSWER = (
+    'Think.</think>Sure. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+)
+
+
+def parsing(tool_choice: object = "auto", **kwargs: object) -> ChatParsing:
+    fields = (
+        dict(
+            chat_template_kwargs=None,
+            include_reasoning=True,
+            parallel_tool_calls=True,
+            reasoning_parser="qwen3",
+            tool_call_parser="hermes",
+            enable_auto_tool_choice=True,
+        )
+        | kwargs
+    )
+    return ChatParsing.for_request(TOOLS, tool_choice, **fields)  # type: ignore[arg-type]
+
+
+def streamed(p: ChatParsing, text: str, step: int) -> dict:
+    stream = p.stream()
+    merged: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    for k, piece in enumerate(pieces):
+        delta = stream.feed(piece, final=k == len(pieces) - 1)
+        merged["content"] += delta.get("content", "")
+        merged["reasoning_content"] += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", []):
+            entry = merged["tool_calls"].setdefault(call["index"], {"name": None, "arguments": ""})
+            entry["name"] = call["function"].get("name", entry["name"])
+            entry["arguments"] += call["function"]["arguments"]
+    return merged
+
+
+def test_reasoning_then_calls_whole_and_streamed() -> None:
+    message, finish = parsing().message(ANSWER, "stop")
+    assert finish == "tool_calls"
+    assert (message["reasoning_content"], message["content"]) == ("Think.", "Sure. ")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("f", '{"x": 1}'),
+        ("g", "{}"),
+    ]
+    assert len({c["id"] for c in message["tool_calls"]}) == 2
+    for step in (1, 3, 7, 1000):
+        got = streamed(parsing(), ANSWER, step)
+        assert (got["reasoning_content"], got["content"]) == ("Think.", "Sure. ")
+        assert [(c["name"], c["arguments"]) for c in got["tool_calls"].values()] == [("f", '{"x": 1}'), ("g", "{}")]
+
+
+def test_the_request_s_switches() -> None:
+    # parallel_tool_calls false keeps the first call; include_reasoning false drops the reasoning.
+    message, _ = parsing(parallel_tool_calls=False, include_reasoning=False).message(ANSWER, "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"]
+    assert "reasoning_content" not in message
+    assert list(streamed(parsing(parallel_tool_calls=False), ANSWER, 5)["tool_calls"]) == [0]
+    # tool_choice none: the text after the reasoning is content, calls and all.
+    message, finish = parsing("none").message(ANSWER, "stop")
+    assert finish == "stop" and "tool_calls" not in message and message["content"].startswith("Sure. <tool_call>")
+    # enable_thinking false: all of it is content. A length cut keeps its finish_reason.
+    message, finish = parsing(chat_template_kwargs={"enable_thinking": False}).message(ANSWER, "length")
+    assert finish == "length" and message["content"] == "Think.</think>Sure. " and message["reasoning_content"] is None
+    # A forced call: no reasoning part (the grammar applies from the first token).
+    named = NamedToolChoice.model_validate({"function": {"name": "f"}})
+    message, finish = parsing(named).message('{"x": 2}', "stop")
+    assert (message["content"], message["tool_calls"][0]["function"]["arguments"], finish) == (
+        None,
+        '{"x": 2}',
+        "tool_calls",
+    )
+
+
+def test_auto_needs_the_server_flags() -> None:
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
+        parsing(enable_auto_tool_choice=False)
+    parsing("required", enable_auto_tool_choice=False, tool_call_parser=None)  # forced: no parser needed
+
+
+def test_forced_schemas_are_vllm_s() -> None:
+    named = NamedToolChoice.model_validate({"function": {"name": "g"}})
+    assert forced_tool_schema(TOOLS, named, True) == {"type": "object", "properties": {}}
+    required = forced_tool_schema(TOOLS, "required", False)
+    assert required is not None and (required["minItems"], required["maxItems"]) == (1, 1)
+    first = required["items"]["anyOf"][0]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["f"]} and first["required"] == [
+        "name",
+        "parameters",
+    ]
+    assert forced_tool_schema(TOOLS, "auto", True) is None
+
+
+def test_history_arguments_become_objects() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": [1]}'}}
+    [message] = template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert message["tool_calls"][0]["function"]["arguments"] == {"x": [1]}
+    assert json.loads(call["function"]["arguments"]) == {"x": [1]}  # the request's own message is left as it was
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
+        template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])

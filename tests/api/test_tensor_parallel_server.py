@@ -1,0 +1,44 @@
+"""The server with --tensor-parallel-size 2: a rank killed mid-stream fails the request in flight
+(never a hang), the engine process exits and is started again with new ranks, and the next
+request is answered; no rank of the dead engine is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.api.conftest import start_server
+from tests.api.test_faults import LONG, StreamReader, alive, wait_until
+
+
+def rank_pids(engine_pid: int) -> list[int]:
+    """The engine process's rank processes (multiprocessing's spawn children)."""
+    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    return [int(pid) for pid in children if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_stream_and_the_restarted_engine_answers(tiny_dir: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        engine = server.engine_pid()
+        ranks = rank_pids(engine)
+        assert len(ranks) == 2, ranks
+        reader = StreamReader(server, {"messages": [{"role": "user", "content": "x"}], **LONG, "logprobs": True})
+        reader.start()
+        wait_until(lambda: reader.tokens() >= 3 or not reader.is_alive(), lambda: f"{reader.tokens()} tokens came")
+        assert reader.tokens() >= 3, f"the stream ended early: {reader.error!r} {reader.events[-1:]}"
+        os.kill(ranks[1], signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after a rank died"
+        assert reader.events[-1]["error"]["type"] == "service_unavailable", reader.events[-1]
+        wait_until(lambda: not any(alive(pid) for pid in [engine, *ranks]), lambda: "the dead engine's ranks live on")
+        server.wait_healthy(120)  # restarted, with ranks of its own
+        assert len(rank_pids(server.engine_pid())) == 2
+        ok = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+    finally:
+        server.stop()

@@ -1,0 +1,141 @@
+"""The tool-call parsers: whole answers read as vLLM's hermes parser reads them, and streams fed
+any split of an answer giving what the whole answer gives."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vlmserve.api.tool_parsers import (
+    ContentDelta,
+    HermesToolParser,
+    NamedToolParser,
+    ParsedOutput,
+    RequiredToolParser,
+    ToolCall,
+    ToolCallDelta,
+)
+
+
+def replay(parser, text: str, cuts: list[int]) -> ParsedOutput:  # type: ignore[no-untyped-def]
+    """What a stream fed `text` cut at `cuts` gives, put together as a whole answer."""
+    stream = parser.stream()
+    events = []
+    bounds = [0, *sorted(set(c % (len(text) + 1) for c in cuts)), len(text)]
+    for a, b in itertools.pairwise(bounds):
+        events += stream.feed(text[a:b])
+    events += stream.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    names: dict[int, str] = {}
+    args: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, ToolCallDelta):
+            if e.name is not None:
+                assert e.index not in names, "a call's name comes in its first delta only"
+                assert e.index == len(names), "calls are numbered in order"
+                names[e.index] = e.name
+                args[e.index] = ""
+            else:
+                assert e.index in names, "arguments come after the name"
+            args[e.index] += e.arguments
+    calls = [ToolCall(names[i], args[i]) for i in sorted(names)]
+    return ParsedOutput(content if content.strip() or not calls else None, calls)
+
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
+
+
+def test_hermes_reads_calls_and_the_text_around_them() -> None:
+    parser = HermesToolParser()
+    got = parser.parse("Let me look.\n" + WEATHER + "\n" + WEATHER.replace("Paris", "Oslo") + "\n")
+    assert got.content == "Let me look.\n"
+    assert got.tool_calls == [
+        ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+        ToolCall("get_weather", '{"city": "Oslo", "days": [1, 2]}'),
+    ]
+    # Only calls: content is null. Keys in any order; a block left open is read to the end.
+    got = parser.parse(
+        '<tool_call>{"arguments": {}, "name": "f"}</tool_call>\n<tool_call>{"name": "g", "arguments": 3}'
+    )
+    assert got == ParsedOutput(None, [ToolCall("f", "{}"), ToolCall("g", "3")])
+
+
+def test_hermes_answer_without_valid_calls_is_all_content() -> None:
+    parser = HermesToolParser()
+    assert parser.parse("plain answer") == ParsedOutput("plain answer", [])
+    for bad in ('<tool_call>{"name": "f"}</tool_call>', "<tool_call>{not json}</tool_call>", "<tool_call>[1]"):
+        text = "x " + WEATHER + bad
+        assert parser.parse(text) == ParsedOutput(text, []), bad
+
+
+def test_required_and_named_answers() -> None:
+    got = RequiredToolParser().parse('[{"name": "f", "parameters": {"a": 1}}, {"parameters": [], "name": "g"}]')
+    assert got == ParsedOutput(None, [ToolCall("f", '{"a": 1}'), ToolCall("g", "[]")])
+    assert RequiredToolParser().parse("[{") == ParsedOutput("[{", [])
+    assert NamedToolParser("f").parse('{"a": 1}') == ParsedOutput(None, [ToolCall("f", '{"a": 1}')])
+
+
+# Text outside calls: characters that make up the tags too, so partial tags are exercised.
+outside = st.text(alphabet='ab <>/_tolc\n{}"', max_size=12).filter(lambda s: "<tool_call>" not in s)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(alphabet='ab"\\<>/ é{}', max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text("xyz", max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+names = st.text(alphabet="abc_", min_size=1, max_size=6)
+spaces = st.sampled_from(["", " ", "\n", "  "])
+
+
+@st.composite
+def hermes_answers(draw: st.DrawFn) -> str:
+    parts = [draw(outside)]
+    for _ in range(draw(st.integers(0, 3))):
+        args = json.dumps(draw(st.dictionaries(st.text("pq", max_size=3), json_values, max_size=3)))
+        obj = {"name": draw(names), "arguments": json.loads(args)}
+        if draw(st.booleans()):
+            obj = {"arguments": obj["arguments"], "name": obj["name"]}
+        sep = draw(spaces)
+        body = json.dumps(obj, ensure_ascii=draw(st.booleans()), separators=(",", ":") if sep else None)
+        parts.append(f"<tool_call>{sep}{body}{draw(spaces)}</tool_call>{draw(outside)}")
+    return "".join(parts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hermes_answers(), st.lists(st.integers(0, 10_000), max_size=12))
+def test_hermes_stream_gives_the_whole_answer_for_any_split(text: str, cuts: list[int]) -> None:
+    parser = HermesToolParser()
+    whole = parser.parse(text)
+    assert replay(parser, text, cuts) == whole
+    for call in whole.tool_calls:
+        json.loads(call.arguments)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(names, st.dictionaries(st.text("pq", max_size=3), json_values, max_size=3)), min_size=1, max_size=3
+    ),
+    spaces,
+    st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_required_stream_gives_the_whole_answer_for_any_split(
+    calls: list[tuple[str, dict]], sep: str, cuts: list[int]
+) -> None:
+    text = sep + "[" + sep + ("," + sep).join(json.dumps({"name": n, "parameters": p}) for n, p in calls) + sep + "]"
+    parser = RequiredToolParser()
+    whole = parser.parse(text)
+    assert [c.name for c in whole.tool_calls] == [n for n, _ in calls]
+    assert [json.loads(c.arguments) for c in whole.tool_calls] == [p for _, p in calls]
+    assert replay(parser, text, cuts) == whole
+
+
+def test_stream_sends_arguments_before_the_call_ends() -> None:
+    stream = HermesToolParser().stream()
+    events = stream.feed('Hi <tool_call>{"name": "f", "arguments": {"q": "ab')
+    assert events == [ContentDelta("Hi "), ToolCallDelta(0, "f", ""), ToolCallDelta(0, None, '{"q": "ab')]
+    assert stream.feed('c"}}</tool') == [ToolCallDelta(0, None, 'c"}')]
+    assert stream.feed("_call>") == []
+    assert stream.finish() == []

@@ -1,0 +1,165 @@
+"""The engine process's side of the wire, driven in-process: it loads no tokenizer and no
+processor, and serves the prompt exactly as the API process processed it (token ids, M-RoPE
+positions with a video's time spacing, pixels through shared memory), token for token with the
+offline LLM on the same checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from tests.conftest import video_frame
+from vlmserve import LLM, SamplingParams
+from vlmserve.api.frontend import load_frontend
+from vlmserve.engine.checkpoint import load_engine_model
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.engine_process import EngineLoop, HeartbeatThread
+from vlmserve.ipc import shm
+from vlmserve.ipc.contracts import EngineCoreOutput
+from vlmserve.ipc.messages import AddRequest, Heartbeat, RequestFailed, encoder, from_engine_decoder
+from vlmserve.multimodal.video import VideoOptions
+from vlmserve.processor.base import ImageInput, VideoInput
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+class Push:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def _engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=32 << 20)
+
+
+def _message(request_id: str, prompt, params: SamplingParams) -> AddRequest:  # type: ignore[no-untyped-def]
+    """What the API process sends: the prompt without its pixels, which go to shared memory."""
+    segments = [shm.write_array(item.pixel_values.numpy()) for item in prompt.mm_items]
+    items = [dataclasses.replace(item, pixel_values=torch.empty(0)) for item in prompt.mm_items]
+    wire = dataclasses.replace(prompt, prompt=None, mm_items=items)
+    return AddRequest(request_id, [request_id], [params], wire, segments)
+
+
+def _run(core: EngineCore) -> list[EngineCoreOutput]:
+    outputs = []
+    for _ in range(200):
+        if not core.has_unfinished_requests():
+            return outputs
+        outputs.extend(core.step())
+    raise AssertionError("the request did not finish in 200 steps")
+
+
+@pytest.fixture(scope="module")
+def bare25(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen2.5-VL checkpoint with every tokenizer file removed."""
+    bare = tmp_path_factory.mktemp("bare") / "tiny-qwen2_5-vl-no-tokenizer"
+    shutil.copytree(tiny25_dir, bare)
+    for name in TOKENIZER_FILES:
+        (bare / name).unlink(missing_ok=True)
+    return bare
+
+
+def test_engine_without_tokenizer_files_serves_an_image_and_video_prompt_as_offline(
+    tiny25_dir: Path, bare25: Path, images: dict
+) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_frontend(_engine_config(bare25))  # the API side could not even start from it
+    frontend = load_frontend(_engine_config(tiny25_dir))
+    frames = [video_frame(i, 56, 56) for i in range(8)]
+    text = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>"
+        "What happens?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # 8 frames at 1 fps: 2 s per temporal patch, so Qwen2.5-VL's temporal positions step by 2 * 4.
+    video = VideoInput(np.stack(frames), VideoOptions(sample_fps=1.0))
+    prompt = frontend.processor.process(text, [ImageInput(images["wide"])], [video])
+    assert prompt.mm_items[1].second_per_grid_t == 2.0
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    core = EngineCore(_engine_config(bare25), load_engine_model(_engine_config(bare25), frontend.eos_token_ids))
+    push = Push()
+    loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+    message = _message("r", prompt, params)
+    loop._handle(encoder.encode(message))
+    assert push.sent == [] and core.has_unfinished_requests()
+    assert not any(Path("/dev/shm", s.name).exists() for s in message.segments)  # read and unlinked
+    served = _run(core)
+
+    llm = LLM(str(tiny25_dir), dtype="float32", max_model_len=2048, kv_cache_memory_gib=0.03)
+    offline = llm.generate(
+        {
+            "prompt": text,
+            "multi_modal_data": {"image": images["wide"], "video": np.stack(frames)},
+            "mm_processor_kwargs": {"sample_fps": 1.0},
+        },
+        params,
+    )[0].outputs[0]
+    assert [t for o in served for t in o.new_token_ids] == offline.token_ids
+    assert offline.logprobs is not None
+    for o, expected in zip(served, offline.logprobs, strict=True):
+        assert o.logprobs is not None
+        assert abs(o.logprobs[0].logprob - expected[o.new_token_ids[0]].logprob) < 1e-5
+
+
+def test_engine_refuses_a_prompt_whose_pixels_are_missing(tiny_dir: Path, images: dict) -> None:
+    frontend = load_frontend(_engine_config(tiny_dir))
+    core = EngineCore(_engine_config(tiny_dir), load_engine_model(_engine_config(tiny_dir), frontend.eos_token_ids))
+    push = Push()
+    loop = EngineLoop(core, None, push, os.getppid())  # type: ignore[arg-type]
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>x<|im_end|>\n<|im_start|>assistant\n"
+    prompt = frontend.processor.process(text, [ImageInput(images["odd"])])
+    message = _message("r", prompt, SamplingParams(max_tokens=2))
+    gone = message.segments[0].name
+    shm.unlink(gone)
+    loop._handle(encoder.encode(message))
+    (reply,) = [from_engine_decoder.decode(raw) for raw in push.sent]
+    assert isinstance(reply, RequestFailed) and reply.request_id == "r"
+    assert not core.has_unfinished_requests()
+
+
+def test_heartbeats_keep_coming_while_the_step_loop_is_busy_in_one_long_call() -> None:
+    """A long step (here: matmuls until three heartbeats have arrived, or 60 s) is not silence:
+    the heartbeat comes from a thread of its own, on a socket of its own."""
+    context = zmq.Context()
+    address = f"ipc://{tempfile.mkdtemp()}/from-engine"
+    pull = context.socket(zmq.PULL)
+    pull.bind(address)
+    beats: list[object] = []
+    three = threading.Event()
+
+    def receive() -> None:
+        while len(beats) < 3 and pull.poll(60_000):
+            beats.append(from_engine_decoder.decode(pull.recv()))
+        three.set()
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    heartbeat = HeartbeatThread(context, address)
+    heartbeat.start()
+    try:
+        a = torch.randn(256, 256)
+        deadline = time.monotonic() + 60
+        while not three.is_set() and time.monotonic() < deadline:  # one "step" the loop never leaves
+            a = torch.tanh(a @ a)
+    finally:
+        heartbeat.stopped.set()
+        heartbeat.join(10)
+    assert beats == [Heartbeat(os.getpid())] * 3
+    assert not heartbeat.is_alive()
+    receiver.join(10)
+    pull.close(linger=0)
+    context.term()  # returns only once the heartbeat thread has closed its socket

@@ -1,0 +1,124 @@
+"""What the two endpoints' serving share: the context they run in (front end, engine client,
+metrics, fetch policy, served name, the cap on n), and one engine request's outputs, counted in
+the metrics by outcome, with the engine's refusal (400), its error while computing the request
+(500, the details in the log only) and its death (503) as API errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from vlmserve.api.beam_search import BeamSearchParams
+from vlmserve.api.dp_client import DataParallelClient
+from vlmserve.api.engine_client import RequestFailedInEngine, RequestRefused
+from vlmserve.api.engine_supervisor import EngineDeadError
+from vlmserve.api.fetch import FetchPolicy
+from vlmserve.api.frontend import Frontend
+from vlmserve.api.media_cache import MediaUUIDCache
+from vlmserve.api.metrics import Metrics
+from vlmserve.api.protocol import APIError, _SamplingFields, check_text
+from vlmserve.api.serving_beam import beam_search, beam_search_params
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("vlmserve.api")
+MAX_NAME_SHOWN = 256  # characters of an unknown model name an error echoes
+
+# When the request being served arrived at its endpoint (time.monotonic()), set by the endpoint
+# before it fetches and processes the prompt's media: its metrics' TTFT and e2e latency run from
+# it, as vLLM's from arrival. NOTE: a context variable, not an argument, so that the endpoints'
+# signatures stay as they are; each request runs in its own task (and its tasks copy it).
+request_arrival: ContextVar[float | None] = ContextVar("request_arrival", default=None)
+
+
+@dataclass
+class ServingContext:
+    frontend: Frontend
+    client: DataParallelClient
+    metrics: Metrics
+    fetch_policy: FetchPolicy
+    model_name: str  # the name responses carry
+    max_n: int = 8
+    # Every name a request's `model` may give (model_name among them); empty: model_name alone.
+    served_model_names: tuple[str, ...] = ()
+    # What /v1/models shows as `root`: the model as the server was given it (vLLM's).
+    model_root: str = ""
+    # vLLM's --reasoning-parser, --tool-call-parser and --enable-auto-tool-choice.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # Media sent with a uuid, reusable by it (vLLM's media uuids).
+    media_uuids: MediaUUIDCache = field(default_factory=MediaUUIDCache)
+
+    def check_model(self, name: str | None) -> None:
+        """A request names a served model or none (the served one, as in vLLM); any other name is
+        a 404 in vLLM's words, the name shown truncated."""
+        if name is None or name in (self.served_model_names or (self.model_name,)):
+            return
+        check_text(name, "model")  # echoed below: it must encode
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist.", "model", "model_not_found", "NotFoundError")
+
+
+class EngineServing:
+    """The base of an endpoint's serving: its context, the model's grounding convention (for the
+    `vlmserve` extension), and engine requests run to their outputs."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.grounding_convention: str | None = ctx.frontend.family.grounding_convention
+
+    def _beam(self, body: _SamplingFields, params: SamplingParams) -> BeamSearchParams | None:
+        """The beam search a request asks for (use_beam_search), or None."""
+        if not body.use_beam_search:
+            return None
+        return beam_search_params(params, body.length_penalty, self.ctx.frontend.max_model_len)
+
+    async def _outputs(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, beam: BeamSearchParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        metrics = self.ctx.metrics  # vLLM's series are recorded by the engine client (request_stats.py)
+        metrics.in_flight.inc()
+        outcome = "aborted"
+        arrival = request_arrival.get()
+        try:
+            source = (
+                self.ctx.client.generate(request_id, prompt, params, arrival)
+                if beam is None
+                else beam_search(self.ctx.client, self.ctx.frontend, request_id, prompt, beam, params)
+            )
+            async with aclosing(source) as outputs:
+                async for output in outputs:
+                    if output.finished:
+                        outcome = "success"
+                        metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+                        metrics.image_tokens.inc(sum(output.num_image_tokens))
+                        metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+                    yield output
+        except RequestRefused as e:
+            outcome = "error"
+            raise APIError(400, str(e)) from None
+        except RequestFailedInEngine as e:
+            outcome = "error"
+            logger.error("request %s failed in the engine: %s", request_id, e)
+            message = f"internal error while computing this request ({request_id})"
+            raise APIError(500, message, code="internal_error") from None
+        except EngineDeadError as e:
+            outcome = "engine_down"
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        finally:
+            metrics.in_flight.dec()
+            metrics.requests.labels(outcome).inc()
+
+    async def _last(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, beam: BeamSearchParams | None = None
+    ) -> RequestOutput:
+        final = None
+        async for output in self._outputs(request_id, prompt, params, beam):
+            final = output
+        assert final is not None
+        return final

@@ -1,0 +1,151 @@
+"""Tool calling in a chat request, as vLLM serves it: the `tools` and `tool_choice` fields, the
+grammar that forces a call for tool_choice "required" or a named function, the parser that reads
+the answer back, and the history's tool calls made ready for the chat template.
+
+tool_choice:
+- "none" (the default without tools): the tools are still rendered into the prompt (as vLLM does)
+  but the answer is never parsed for calls.
+- "auto" (the default with tools): the model decides; its answer is read by the server's
+  `--tool-call-parser` (hermes), which needs `--enable-auto-tool-choice` (as vLLM).
+- "required": the answer is forced to vLLM's JSON array of {"name", "parameters"}, one item per
+  call (at least one; at most one with parallel_tool_calls false).
+- {"type": "function", "function": {"name": ...}}: the answer is forced to that function's
+  parameters schema.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, StrictBool
+
+from vlmserve.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def check_tool_choice(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
+    """vLLM's rules (ValueError naming the field): a tool_choice other than "none" needs tools,
+    and a named function must be one of them; and no two tools of one name."""
+    seen = set()
+    for i, tool in enumerate(tools or []):
+        if tool.function.name in seen:
+            raise ValueError(f"tools[{i}]: a second function named {tool.function.name!r}")
+        seen.add(tool.function.name)
+    if tool_choice is None or tool_choice == "none":
+        return
+    if not tools:
+        raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
+    if isinstance(tool_choice, NamedToolChoice):
+        names = [tool.function.name for tool in tools]
+        if tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: the function {tool_choice.function.name!r} is not among `tools`")
+
+
+def effective_tool_choice(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> ToolChoice:
+    if tool_choice is not None:
+        return tool_choice
+    return "auto" if tools else "none"
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    # A function without parameters takes an empty object (vLLM's rule).
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def forced_tool_schema(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool
+) -> dict[str, Any] | None:
+    """The JSON schema the answer is forced to, for "required" and a named function (vLLM's)."""
+    if not tools:
+        return None
+    if isinstance(tool_choice, NamedToolChoice):
+        return next(_parameters(t) for t in tools if t.function.name == tool_choice.function.name)
+    if tool_choice != "required":
+        return None
+    item = {
+        "type": "object",
+        "anyOf": [
+            {
+                "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ],
+    }
+    return {"type": "array", "minItems": 1, "items": item} | ({} if parallel_tool_calls else {"maxItems": 1})
+
+
+ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser
+
+
+def tool_parser(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice, auto_parser: str | None, auto_enabled: bool
+) -> ToolParser | None:
+    """The parser that reads the answer back into tool calls (None: the answer is content).
+    ValueError when "auto" is asked of a server not started for it."""
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, NamedToolChoice):
+        return NamedToolParser(tool_choice.function.name)
+    if tool_choice == "required":
+        return RequiredToolParser()
+    if not auto_enabled or auto_parser is None:
+        raise ValueError(
+            'tool_choice: "auto" tool choice requires the server to be started with --enable-auto-tool-choice '
+            "and --tool-call-parser"
+        )
+    return HermesToolParser()
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as the chat templates read it: an assistant message's tool call arguments,
+    which OpenAI's clients send as JSON text, as the object they write (as vLLM does; the Qwen
+    templates write them with `tojson`). ValueError naming the message when they are not JSON."""
+    out = []
+    for mi, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not calls:
+            out.append(message)
+            continue
+        if not isinstance(calls, list):
+            raise ValueError(f"messages[{mi}].tool_calls must be a list")
+        fixed = []
+        for ci, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"messages[{mi}].tool_calls[{ci}] needs a function with a name")
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except ValueError:
+                    raise ValueError(f"messages[{mi}].tool_calls[{ci}].function.arguments is not valid JSON") from None
+            fixed.append(call | {"function": function | {"arguments": arguments}})
+        out.append(message | {"tool_calls": fixed})
+    return out

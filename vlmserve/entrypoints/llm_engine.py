@@ -1,0 +1,90 @@
+"""The in-process engine behind the offline LLM: a front end (tokenizer, processor, detokenizing
+output processor) and an engine core (model, caches, scheduler) in one process, advanced one
+step at a time."""
+
+from __future__ import annotations
+
+import logging
+
+from vlmserve.api.frontend import load_frontend
+from vlmserve.api.output_processor import OutputProcessor
+from vlmserve.engine.banner import engine_summary, log_banner
+from vlmserve.engine.config import EngineConfig
+from vlmserve.engine.core import EngineCore
+from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.request import RequestStatus
+from vlmserve.models.base import VLModel
+from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.frontend = load_frontend(config)
+        self.core = EngineCore(config, self.frontend.engine_model())
+        self.output_processor = OutputProcessor(self.frontend.tokenizer)
+        # Shortcuts to the parts callers and tests look at.
+        self.tokenizer = self.frontend.tokenizer
+        self.processor = self.frontend.processor
+        self.model_dir = self.frontend.model_dir
+        self.model_config = self.frontend.model_config
+        self.eos_token_ids = self.frontend.eos_token_ids
+        self.max_model_len = self.frontend.max_model_len
+        self.kv = self.core.kv
+        self.scheduler, self.memory_plan = self.core.scheduler, self.core.memory_plan
+        log_banner(logger, engine_summary(self.core, config.model), "vlmserve engine ready")
+
+    @property
+    def model(self) -> VLModel:
+        """The model, where it is in this process (tensor_parallel_size 1)."""
+        return self.core.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes, if any."""
+        self.core.shutdown()
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.frontend.default_sampling_params()
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.check_fits(prompt)  # before anything is registered
+        params = self.frontend.resolve_params(params)
+        child_ids = self.output_processor.add_prompt(request_id, prompt, params)
+        for index, child_id in enumerate(child_ids):
+            self.core.add_request(child_id, prompt, params.for_child(index))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        output, child_ids = self.output_processor.abort(request_id)
+        self.core.finish_requests(child_ids)
+        return output
+
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(self.core.step())
+        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # stop strings found here
+        # A request whose step failed (the engine went on without it) ends as aborted, with its
+        # other samples; the error is logged. Nothing else in the batch is lost.
+        for child_id, message in self.core.take_failed().items():
+            sample = self.output_processor.samples.get(child_id)
+            if sample is None:
+                continue
+            logger.error("request %s failed: %s", sample.parent.request_id, message)
+            aborted = self.abort_request(sample.parent.request_id)
+            if aborted is not None:
+                outputs.append(aborted)
+        return outputs

@@ -1,0 +1,121 @@
+"""The plain data that crosses the engine's seams (vLLM v1's contracts, in our size).
+
+The scheduler emits a SchedulerOutput each step; the model runner returns a ModelRunnerOutput.
+Neither holds a live object: a request the runner has not seen comes whole (token ids, positions,
+items, sampling parameters, block ids), a request it has seen comes as what changed. Both encode
+with vlmserve.ipc.serial (msgspec), which is what a tensor-parallel worker will receive."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import torch
+
+from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the runner has not seen: everything it needs to run it from now on."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_items: list[MultiModalItem]
+    # [3, num_prompt_tokens] int64 positions; None: the model's decode rule from position 0.
+    mrope_positions: torch.Tensor | None
+    mrope_delta: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the KV cache (a prefix-cache hit)
+    # eos and stop_token_ids: what the sampler masks while the output is shorter than min_tokens.
+    all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Its slot in each cache group of fixed-size per-request entries (engine/cache_coordinator.py:
+    # the linear-attention layers' state); empty for a model with paged KV alone.
+    group_slots: list[int] = msgspec.field(default_factory=list)
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """A request the runner already holds, as it changed since the step before."""
+
+    request_id: str
+    # After a preemption the request's blocks were freed: block_ids replace the old ones.
+    resumed_from_preemption: bool
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    group_slots: list[int] = msgspec.field(default_factory=list)  # new ones after a preemption
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = msgspec.field(default_factory=list)
+    # Request id -> tokens to compute this step, in batch order.
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # Request id -> indexes into its mm_items of the images/videos to encode this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Encoder outputs (by content hash) the runner may drop.
+    free_encoder_hashes: list[str] = msgspec.field(default_factory=list)
+    # Requests that ended since the last step: the runner forgets them.
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    # Copies within a cache group of fixed-size entries, (group, from slot, to slot), before the
+    # step's forward (a prefix hit's cached state into its request's slot) and after it (a state
+    # saved for prefix caching where a chunk ended at a block boundary).
+    copies_before_forward: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    copies_after_forward: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    # Structured outputs: the requests sampled this step under a grammar, and their masks, filled
+    # once by the engine core (row i: structured_output_request_ids[i]; xgrammar's bitmask
+    # [rows, ceil(vocab / 32)] int32, a set bit allowing its token). Every rank applies the same.
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The sampled token's log-probability and rank (1 = most likely) under the model's raw
+    distribution, and the `logprobs` most likely tokens with theirs."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    # Request id -> the token sampled for it, for the requests whose known tokens were all computed.
+    sampled_token_ids: dict[str, int] = msgspec.field(default_factory=dict)
+    # Request id -> its sampled token's logprobs, where the request asked for them.
+    logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
+    # Request id -> its prompt logprobs (prompt tokens 1.., each given the tokens before it),
+    # sent once, with the request's first sampled token, where it asked for them.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2  # admitted to the running batch (again, after a preemption)
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """A request's change of state in the engine core, at `timestamp` on the engine's
+    time.monotonic() (vLLM's EngineCoreEvent; the per-request metrics are intervals between them)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
+class EngineCoreOutput(msgspec.Struct):
+    """What one request got in one step: the engine core's output, in-process and on the wire."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or None while running
+    stop_reason: int | None  # the stop token id, when one ended it
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # Prompt tokens 1.. with their logprobs, on the request's first output, when asked for.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # The request's events since its last output, when the engine records them (log_stats).
+    events: list[EngineCoreEvent] | None = None
