@@ -160,6 +160,25 @@ def test_topk_takes_only_what_a_rows_bitmask_allows(dtype: torch.dtype) -> None:
     assert torch.equal(ids[3], kernels.topk(x, [3], k)[1][0])
 
 
+@needs_kernels
+def test_apply_bitmask_is_xgrammars_in_place_mask() -> None:
+    """-inf where a row's mask bit is 0, in the rows asked for only (a vocabulary ending inside a
+    word, words all set skipped, all clear, and mixed)."""
+    import xgrammar
+
+    assert kernels is not None
+    vocab = 1003
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 32), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # everything allowed
+    bitmask[2, :10] = 0  # nothing in the first 320 tokens
+    expected = x.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=[0, 1, 2, 4])
+    kernels.apply_bitmask(x, [0, 1, 2, 4], bitmask, [0, 1, 2, 4])
+    assert torch.equal(x, expected) and torch.isinf(x[2, :320]).all() and torch.isfinite(x[3]).all()
+
+
 # -- paged decode attention --------------------------------------------------------------------------
 
 BLOCK_SIZE = 16

@@ -184,6 +184,8 @@ class CpuKernels:
         lib.vlm_argmax_bf16.argtypes = [p, p, i64, i64]
         lib.vlm_topk.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, i64, p]
         lib.vlm_topk.restype = None
+        lib.vlm_apply_bitmask.argtypes = [p, i64, p, i64, i64, p, i64, p]
+        lib.vlm_apply_bitmask.restype = None
         lib.vlm_rms_norm_heads_bf16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_float]
         for name in ("add_rms_norm_bf16", "rms_norm_heads_bf16", "rotary_qk_bf16", "argmax_bf16"):
             getattr(lib, f"vlm_{name}").restype = None
@@ -287,6 +289,17 @@ class CpuKernels:
             0 if bitmask is None else masks.data_ptr(),
         )  # fmt: skip
         return values, indices
+
+    def apply_bitmask(self, x: torch.Tensor, rows: list[int], bitmask: torch.Tensor, mask_rows: list[int]) -> None:
+        """In place: in row rows[i] of fp32 x [R, n] (each row contiguous), the tokens bitmask row
+        mask_rows[i] forbids (xgrammar's layout: [B, ceil(n / 32)] int32, a set bit allows) get -inf."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and len(rows) == len(mask_rows)
+        assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[1] * 32 >= x.shape[1]
+        index, masks = torch.tensor(rows, dtype=torch.int64), torch.tensor(mask_rows, dtype=torch.int64)
+        self._lib.vlm_apply_bitmask(
+            x.data_ptr(), x.stride(0), index.data_ptr(), len(rows), x.shape[1], bitmask.data_ptr(), bitmask.stride(0),
+            masks.data_ptr(),
+        )  # fmt: skip
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """bf16 -> fp32 at memory speed (torch's own conversion runs at ~0.5 G elements/s here)."""

@@ -565,3 +565,27 @@ void vlm_topk(const void *x, int64_t row_stride, int64_t is_bf16, const int64_t 
         free(c.items);
     }
 }
+
+/*
+ * Structured outputs' masks applied in place: in rows rows[i] of fp32 logits x (row_stride apart),
+ * every token whose bit in bitmask row mask_rows[i] (words of 32 tokens, mask_stride words a row,
+ * xgrammar's layout) is 0 gets -inf. Why: xgrammar's CPU kernel took 16 ms over [32, 151936] on the
+ * Zen 4 machine; a word whose 32 bits are all set (most of a mid-answer mask) is skipped here.
+ */
+void vlm_apply_bitmask(float *x, int64_t row_stride, const int64_t *rows, int64_t r, int64_t n, const int32_t *bitmask,
+                       int64_t mask_stride, const int64_t *mask_rows) {
+#pragma omp parallel for schedule(static) if (r * n >= 262144)
+    for (int64_t m = 0; m < r; m++) {
+        float *row = x + rows[m] * row_stride;
+        const int32_t *mask = bitmask + mask_rows[m] * mask_stride;
+        const int64_t words = (n + 31) / 32;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t off = ~(uint32_t)mask[w];
+            while (off) {
+                const int64_t j = w * 32 + __builtin_ctz(off);
+                off &= off - 1;
+                if (j < n) row[j] = -INFINITY;
+            }
+        }
+    }
+}
