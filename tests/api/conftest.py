@@ -87,9 +87,13 @@ def start_server(
     env: dict[str, str] | None = None,
     served_model_name: str | None = "tiny",
     wrap: tuple[str, ...] = (),
+    new_session: bool = False,
+    wait: bool = True,
 ) -> Server:
     """`served_model_name`: the name requests give (None: the server's default, the folder name).
-    `wrap`: a command that execs the rest (the server keeps the PID Popen sees)."""
+    `wrap`: a command that execs the rest (the server keeps the PID Popen sees). `new_session`:
+    the server in a process group of its own, as a terminal starts it (its signals go to the
+    group); `wait`: until it is healthy."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [
@@ -122,12 +126,17 @@ def start_server(
         *extra,
     ]
     process = subprocess.Popen(
-        command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=new_session,
     )
     _OUR_PIDS.add(process.pid)
     server = Server(process, f"http://127.0.0.1:{port}", api_key, log)
     try:
-        server.wait_healthy()
+        if wait:
+            server.wait_healthy()
     except BaseException:
         server.stop()
         raise

@@ -94,7 +94,10 @@ class EngineSupervisor:
         self.ready.clear()
         self._spawned_at = time.monotonic()
         self._killed_for = ""
-        self._process = subprocess.Popen(command)
+        # NOTE: a session of its own: a terminal's Ctrl-C goes to the API process's group, not to
+        # the engine (nor its tensor-parallel ranks); the API process drains and then stops it, as
+        # on SIGTERM. The engine exits by itself when the API process is gone (its --parent watch).
+        self._process = subprocess.Popen(command, start_new_session=True)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until the Ready message; EngineDeadError at once if the process exits first (its

@@ -26,7 +26,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,20 +178,58 @@ def header_deadline(timeout_s: float) -> type[H11Protocol]:
     return HeaderDeadlineProtocol
 
 
+def quiet_when_cut_short(asgi: Any, app: FastAPI) -> Any:
+    """The app, except that a request cancelled because the server stops without waiting (a second
+    Ctrl-C during the drain) ends without uvicorn's "Exception in ASGI application" traceback: the
+    user asked for it."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await asgi(scope, receive, send)
+        except asyncio.CancelledError:
+            if not app.state.draining:
+                raise
+            with contextlib.suppress(Exception):  # a stream ends where it was cut
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return wrapped
+
+
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM, keeps accepting connections (so new requests get 503, not a refused connection)
-    until the requests in flight are done or timeout_graceful_shutdown passes, then shuts down."""
+    """On SIGTERM or Ctrl-C (SIGINT), keeps accepting connections (so new requests get 503, not a
+    refused connection) until the requests in flight are done or timeout_graceful_shutdown passes,
+    then shuts down; a second Ctrl-C cuts the requests in flight short at once. The signal that
+    stopped it is kept (`stopped_by`), not raised again when it returns (uvicorn's default, which
+    turns a Ctrl-C into a KeyboardInterrupt in the middle of the shutdown)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
         self.app_state = app.state
+        self.stopped_by: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def shutdown(self, sockets: list[Any] | None = None) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.timeout_graceful_shutdown or 0)
         while self.app_state.in_flight > 0 and not self.force_exit and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if self.force_exit:
+            for task in self.server_state.tasks:
+                task.cancel()  # the requests a second Ctrl-C cut short
         await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()  # uvicorn skips it then: it stops the engine
 
 
 def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
@@ -204,6 +243,7 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     open_files = connections.raise_open_files_limit()
     sock = sock or bind(args.host, args.port)
     app, asgi, client = build(args)
+    asgi = quiet_when_cut_short(asgi, app)
     in_use = connections.open_descriptors()
     max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
     if max_connections < args.max_connections:
@@ -229,14 +269,23 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     default_exit = server.handle_exit
 
     def handle_exit(sig: int, frame: Any) -> None:
-        # Drain: new requests get 503 at once; uvicorn lets those in flight finish.
+        # Drain: new requests get 503 at once; uvicorn lets those in flight finish (a second
+        # SIGINT: not).
+        if server.stopped_by is None:
+            server.stopped_by = sig
+            logger.info("received %s: finishing requests in flight", signal.Signals(sig).name)
+        elif sig == signal.SIGINT:
+            logger.info("received SIGINT again: stopping now")
         app.state.draining = True
-        logger.info("received %s: finishing requests in flight", signal.Signals(sig).name)
         default_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
-    asyncio.run(_serve(server, client, sock, backlog, web_ui=not args.disable_web_ui))
-    return 0
+    try:
+        asyncio.run(_serve(server, client, sock, backlog, web_ui=not args.disable_web_ui))
+    except KeyboardInterrupt:  # Ctrl-C while the engine loaded, before the server's own handlers
+        logger.info("interrupted while starting: the engine was stopped")
+        return 130
+    return 130 if server.stopped_by == signal.SIGINT else 0
 
 
 async def _serve(
@@ -248,6 +297,9 @@ async def _serve(
     except EngineDeadError as e:
         await client.shutdown()
         raise UserError(f"the engine did not start: {e}") from None
+    except asyncio.CancelledError:  # Ctrl-C while it loads: asyncio.run cancels this task
+        await client.shutdown()
+        raise
     try:
         listen(sock, backlog)
     except UserError:
