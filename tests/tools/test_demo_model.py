@@ -288,3 +288,48 @@ def test_expanded_head_is_the_trained_softmax() -> None:
     torch.testing.assert_close(full[:, unused], share.expand(-1, int(unused.sum())), atol=1e-9, rtol=0)
     assert not weights["model.embed_tokens.weight"][unused].any()
     assert weights["model.embed_tokens.weight"].shape == weights["lm_head.weight"].shape == (VOCAB_SIZE, 128)
+
+
+@pytest.mark.server
+def test_serve_without_a_model_says_it_serves_the_demo(demo_dir: Path, tmp_path: Path) -> None:
+    """As `chat` does; stopped by Ctrl-C once it is up (the process group, as a terminal sends it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.api.conftest import free_port
+    from vlmserve.entrypoints.chat import DEMO_NOTE
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vlmserve.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+    ]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        text = log.read_text()
+        assert DEMO_NOTE in text and demo_dir.name in text
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(30) == 130 and "Traceback" not in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -165,15 +165,18 @@ class Chat:
                 print("\n(answer interrupted; the turn is left out)", file=sys.stderr)
 
 
+# Said once when a command runs the embedded demo checkpoint because no MODEL was given.
+DEMO_NOTE = (
+    "(no MODEL given: using the embedded demo checkpoint, a small Qwen2-VL trained on synthetic "
+    "shapes; it knows nothing else: see docs/demo-model.md)"
+)
+
+
 def run(args: argparse.Namespace, model: str | None, question: str | None) -> int:
     from vlmserve import LLM
 
     if model is None:
-        print(
-            "(no MODEL given: using the embedded demo checkpoint, a small Qwen2-VL trained on synthetic "
-            "shapes; it knows nothing else: see docs/demo-model.md)",
-            file=sys.stderr,
-        )
+        print(DEMO_NOTE, file=sys.stderr)
     llm = LLM(
         model,
         dtype=args.dtype,

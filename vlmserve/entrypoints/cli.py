@@ -82,6 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before the model loads: a busy port is said at once
     if args.debug:
         args.log_level = "debug"
+    if args.model is None:
+        from vlmserve.entrypoints.chat import DEMO_NOTE
+
+        print(DEMO_NOTE, file=sys.stderr)
     from vlmserve.api.server import run
 
     return run(args, sock)
