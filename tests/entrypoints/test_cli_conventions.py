@@ -77,6 +77,13 @@ def test_an_unknown_command_is_named_with_a_suggestion() -> None:
     assert "did you mean 'chat'?" in line
 
 
+def test_a_mistyped_option_is_named_with_a_suggestion() -> None:
+    line = one_error_line(vlmserve("serve", "--prot", "8000"), 2)
+    assert line.startswith("vlmserve serve: error: unrecognized arguments: --prot")
+    assert "did you mean '--port' for '--prot'?" in line
+    assert "did you mean" not in one_error_line(vlmserve("serve", "--zzzzz"), 2)
+
+
 def test_an_abbreviated_option_is_refused_not_guessed() -> None:
     line = one_error_line(vlmserve("chat", "--imag", str(SUNSET), "hi"), 2)
     assert line.startswith("vlmserve chat: error: unrecognized arguments: --imag")

@@ -52,7 +52,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, formatter_class=HelpFormatter, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} (see '{self.prog} --help')\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """For an unknown option, the closest options this command has (as a mistyped command gets)."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        guesses = []
+        for word in message.split(":", 1)[1].split():
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+                guesses += [f"'{close[0]}' for '{word}'"] if close else []
+        return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 @dataclass(frozen=True)
