@@ -148,3 +148,26 @@ def test_tensor_parallel_shares(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["inspect", str(tmp_path), "--tensor-parallel-size", "3"]) == 2
     err = capsys.readouterr().err
     assert "the vision tower's number of attention heads (16) is not divisible by tensor_parallel_size 3" in err
+
+
+def test_a_hub_id_is_sized_from_its_config_json_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inspect of org/name reads the repository's config.json (the hub cache here, offline): no
+    weights fetched; with neither a cached copy nor network, one line naming what to do."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["inspect", "Qwen/Qwen2-VL-2B-Instruct"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "could not fetch its config.json" in err and "local checkpoint" in err
+    # The hub cache's layout: refs/main names the snapshot holding config.json.
+    repo = tmp_path / "models--Qwen--Qwen2-VL-2B-Instruct"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(QWEN2_VL_2B))
+    assert main(["inspect", "Qwen/Qwen2-VL-2B-Instruct"]) == 0
+    assert "2,208,985,600" in capsys.readouterr().out

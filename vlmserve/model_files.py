@@ -61,12 +61,40 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        why = " ".join(str(e).split())  # huggingface_hub's messages run over several lines
-        raise OSError(
-            f"model {repo_id!r}: could not download it from the Hugging Face hub ({type(e).__name__}: "
-            f"{why[:300]}{'...' if len(why) > 300 else ''}). Without network access, pass the path of a local "
-            "checkpoint directory instead."
-        ) from None
+        raise _unreachable(repo_id, "download it", e) from None
+
+
+def hub_config(repo_id: str, revision: str | None = None) -> Path:
+    """A hub repository's config.json alone (a few KB; the hub cache first), for sizing a model
+    before downloading it. FileNotFoundError / OSError with one-line messages, as _download's."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision))
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub") from None
+    except LocalEntryNotFoundError as e:  # offline, not cached (before EntryNotFoundError: it is one)
+        raise _unreachable(repo_id, "fetch its config.json", e) from None
+    except EntryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: the repository has no config.json") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise _unreachable(repo_id, "fetch its config.json", e) from None
+
+
+def _unreachable(repo_id: str, what: str, e: Exception) -> OSError:
+    """The one-line error of a hub that cannot be reached (`what`: what could not be done)."""
+    why = " ".join(str(e).split())  # huggingface_hub's messages run over several lines
+    return OSError(
+        f"model {repo_id!r}: could not {what} from the Hugging Face hub ({type(e).__name__}: "
+        f"{why[:300]}{'...' if len(why) > 300 else ''}). Without network access, pass the path of a local "
+        "checkpoint directory instead."
+    )
 
 
 def _has_weights(path: Path) -> bool:

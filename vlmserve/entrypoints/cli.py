@@ -309,7 +309,11 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL_OR_CONFIG", help="a checkpoint directory or a config.json")
+    p.add_argument(
+        "model",
+        metavar="MODEL_OR_CONFIG",
+        help="a checkpoint directory, a config.json, or a hub id (org/name: its config.json alone is fetched)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -330,13 +334,21 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from vlmserve.config import parse_dtype
     from vlmserve.inspect import format_report, inspect_config, load_config
+    from vlmserve.model_files import hub_config, looks_like_hub_id
     from vlmserve.models.quant import read_packed_config
 
+    config_json = Path(args.model).expanduser()
+    if looks_like_hub_id(args.model):
+        try:
+            config_json = hub_config(args.model)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:  # no network, the hub down
+            raise UserError(str(e)) from None
     try:
-        config = load_config(args.model)
+        config = load_config(config_json)
     except OSError as e:
         raise UsageError(str(e)) from None
-    config_json = Path(args.model).expanduser()
     try:
         packed = read_packed_config(config_json / "config.json" if config_json.is_dir() else config_json)
     except ValueError as e:  # a quantization_config vlmserve cannot load
