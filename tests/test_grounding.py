@@ -431,3 +431,35 @@ def test_qwen3_vl_json_boxes_are_on_the_0_to_1000_scale() -> None:
     # Read as Qwen2.5-VL's absolute pixels the same numbers land elsewhere.
     (absolute, _) = parse_boxes(text, named("qwen2.5-vl"), (640, 480), (672, 480))
     assert xyxy(absolute) != xyxy(box)
+
+
+@pytest.mark.parametrize(
+    ("name", "answer", "shown"),
+    [
+        (
+            "qwen2-vl",
+            "It is <|object_ref_start|>the triangle<|object_ref_end|>"
+            "<|box_start|>(190,690),(370,870)<|box_end|>.<|im_end|>",
+            "It is the triangle [190,690 - 370,870].",
+        ),
+        (
+            "qwen-vl",
+            "It is <ref>the triangle</ref><box>(190,690),(370,870)</box>, x < y, <b>bold</b>",
+            "It is the triangle [190,690 - 370,870], x < y, <b>bold</b>",
+        ),
+        ("qwen2.5-vl", '[{"bbox_2d": [1, 2, 3, 4], "label": "cat"}]', '[{"bbox_2d": [1, 2, 3, 4], "label": "cat"}]'),
+    ],
+)
+def test_a_streamed_answer_reads_in_the_terminal_and_only_grows(name: str, answer: str, shown: str) -> None:
+    """The terminal chat prints readable(text) as the text grows, one character at a time here
+    (Qwen-VL-Chat's tags are plain text and arrive in pieces): what it printed is never taken back,
+    and the whole answer reads as the user should see it."""
+    from vlmserve.grounding import readable
+
+    tags = grounding_convention(name).tags
+    printed = ""
+    for n in range(len(answer) + 1):
+        now = readable(answer[:n], tags)
+        assert now.startswith(printed), (answer[:n], printed, now)
+        printed = now
+    assert readable(answer, tags, complete=True) == shown and shown.startswith(printed)

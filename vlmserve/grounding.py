@@ -131,6 +131,36 @@ def _tag_pattern(tags: BoxTags) -> re.Pattern[str]:
     )
 
 
+def readable(text: str, tags: BoxTags | None, complete: bool = False) -> str:
+    """An answer as a terminal shows it: label tags dropped (the label stays), each box or quad as
+    " [x1,y1 - x2,y2]" (a point " [x,y]"), other special tokens (<|...|>) dropped. Until the
+    answer is complete, what is still arriving (a box or quad not closed yet, a tag cut short at
+    the end) is held back with what follows it: the result only grows as the text does."""
+    if not complete:
+        opened = text.rfind("<|")
+        if opened > text.rfind("|>"):
+            text = text[:opened]
+    if tags is not None:
+        for start, end in (tags.box, tags.quad) if not complete else ():
+            opened = text.rfind(start)
+            if opened > text.rfind(end):
+                text = text[:opened]
+        for tag in (*tags.ref, *tags.box, *tags.quad) if not complete else ():
+            cut = next((n for n in range(len(tag) - 1, 0, -1) if text.endswith(tag[:n])), 0)
+            text = text[: len(text) - cut]
+
+        for tag in tags.ref:  # open or closed: the label reads as it comes
+            text = text.replace(tag, "")
+
+        def shown(m: re.Match[str]) -> str:
+            values = [f"{v:g}" for v in _numbers(m.group("box") if m.group("box") is not None else m.group("quad"))]
+            pairs = [",".join(values[i : i + 2]) for i in range(0, len(values), 2)]
+            return " [" + " - ".join(pairs) + "]"
+
+        text = _tag_pattern(tags).sub(shown, text)
+    return re.sub(r"<\|[a-z_]+\|>", "", text)
+
+
 def _numbers(text: str) -> list[float]:
     return [float(n) for n in _NUMBER.findall(text)]
 

@@ -57,10 +57,11 @@ class Chat:
             else args.repetition_penalty,
             max_tokens=args.max_tokens,
             seed=args.seed,
-            # Qwen2-VL writes boxes with special tokens (<|box_start|>...): keep them in the text.
-            skip_special_tokens=args.draw_boxes is None,
+            # Qwen2-VL writes boxes with special tokens (<|box_start|>...): kept in the text (the
+            # history and --draw-boxes read them), shown readably (grounding.readable).
+            skip_special_tokens=False,
         )
-        self.convention = _box_convention(llm, args) if args.draw_boxes is not None else None
+        self.convention = _box_convention(llm, args)
         for image in args.image:
             self.attach("image", image)
         for video in args.video:
@@ -84,7 +85,7 @@ class Chat:
         logger.debug("turn %d answer: %r", self.turns, text)
         self.messages += [turn, {"role": "assistant", "content": text}]
         self.images += [part["image"] for part in parts if part["type"] == "image"]
-        if self.convention is None or self.args.draw_boxes is None:
+        if self.args.draw_boxes is None:
             return 0
         images = [item for item in mm_items if item.modality == "image"]
         if not images:
@@ -96,16 +97,19 @@ class Chat:
         return _draw_boxes(text, self.images[-1], images[-1], self.convention, out, self.out)
 
     def _stream(self, prompt: Any) -> tuple[str, list[MultiModalItemInfo]]:
+        from vlmserve.grounding import readable
+
         shown = 0
         text = ""
         mm_items: list[MultiModalItemInfo] = []
         for output in self.llm.stream(prompt, self.params):
             text = output.outputs[0].text
-            self.out.write(text[shown:])
+            display = readable(text, self.convention.tags)  # grows with the text
+            self.out.write(display[shown:])
             self.out.flush()
-            shown = len(text)
+            shown = len(display)
             mm_items = output.mm_items
-        self.out.write("\n")
+        self.out.write(readable(text, self.convention.tags, complete=True)[shown:] + "\n")
         self.out.flush()
         return text, mm_items
 
