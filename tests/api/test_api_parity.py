@@ -251,6 +251,10 @@ def test_models_carry_openai_s_and_vllm_s_fields(client: openai.OpenAI, tiny_dir
     extra = model.model_extra or {}
     assert extra["root"] == str(tiny_dir) and extra["max_model_len"] == 4096
     assert extra["permission"][0]["object"] == "model_permission"
+    # vlmserve's own: what a client (the chat page) says the model is and can be asked.
+    own = extra["vlmserve"]
+    assert own["family"] == "Qwen2-VL" and own["grounding_convention"] == "qwen2-vl"
+    assert own["about"] is None and "Describe this picture." in own["example_questions"]
 
 
 def test_tokenize_a_chat_with_an_image_counts_its_placeholders(server: Server) -> None:

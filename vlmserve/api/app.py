@@ -346,6 +346,12 @@ def build_app(
                     "parent": None,
                     "max_model_len": ctx.frontend.max_model_len,
                     "permission": [_permission(name, created)],
+                    "vlmserve": {
+                        "family": ctx.frontend.family.display_name,
+                        "grounding_convention": ctx.frontend.family.grounding_convention,
+                        "about": ctx.about,
+                        "example_questions": list(ctx.example_questions),
+                    },
                 }
                 for name in ctx.served_model_names or (ctx.model_name,)
             ],

@@ -60,6 +60,14 @@ def _networks(specs: list[str]) -> tuple[tuple[Any, int | None], ...]:
     return tuple(network_and_port(spec) for spec in specs)
 
 
+def _what_to_ask(model: str) -> dict[str, Any]:
+    """The demo checkpoint's own example questions (ServingContext.about, example_questions); any
+    other model keeps the general ones."""
+    from vlmserve.tools.demo_checkpoint import DEMO_ABOUT, DEMO_QUESTIONS, is_demo_checkpoint
+
+    return {"about": DEMO_ABOUT, "example_questions": DEMO_QUESTIONS} if is_demo_checkpoint(model) else {}
+
+
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
@@ -129,6 +137,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        **_what_to_ask(args.model),
     )
     app, asgi = build_app(
         ctx,

@@ -53,6 +53,14 @@ class ServingContext:
     enable_auto_tool_choice: bool = False
     # Media sent with a uuid, reusable by it (vLLM's media uuids).
     media_uuids: MediaUUIDCache = field(default_factory=MediaUUIDCache)
+    # What /v1/models tells a client the model can be asked (the chat page's empty conversation):
+    # a line about the model, if there is one to say, and example questions.
+    about: str | None = None
+    example_questions: tuple[str, ...] = (
+        "Describe this picture.",
+        "What does the text in the picture say?",
+        "Locate every object in the picture and give its bounding box.",
+    )
 
     def check_model(self, name: str | None) -> None:
         """A request names a served model or none (the served one, as in vLLM); any other name is

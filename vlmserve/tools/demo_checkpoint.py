@@ -51,6 +51,23 @@ PICTURE_SIDE = 168  # every picture is resized to about 168 x 168 pixels: 12 x 1
 IMAGE_TOKENS = (PICTURE_SIDE // 28) ** 2
 DEMO_IMAGE_PROCESSOR = ImageProcessorConfig(min_pixels=PICTURE_SIDE**2, max_pixels=PICTURE_SIDE**2)
 SYSTEM_PROMPT = "You are a helpful assistant."  # the chat template's default system message
+# What a client is told the demo can be asked (the chat page's empty conversation): one question of
+# each kind it was trained on, worded as in training, about the shapes of examples/shapes.png.
+DEMO_ABOUT = (
+    "The embedded demo checkpoint: a small Qwen2-VL trained on pictures of one to three coloured "
+    "circles, squares and triangles (examples/shapes.png is one). It knows these questions and "
+    "nothing else."
+)
+DEMO_QUESTIONS = (
+    "What is in this picture?",
+    "How many shapes are there?",
+    "What colour is the square?",
+    "What shape is the yellow one?",
+    "Where is the green square?",
+    "Find the yellow triangle.",
+    "Find every shape.",
+    "What does the text say?",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +103,11 @@ def write_layout(out: Path, weights: dict[str, torch.Tensor] | None, marker: dic
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
     return out
+
+
+def is_demo_checkpoint(model_dir: str | Path) -> bool:
+    """Whether a model directory is the demo checkpoint as demo_checkpoint_dir() expands it."""
+    return (Path(model_dir) / MARKER).is_file()
 
 
 def compact_digest(path: Path = COMPACT_PATH) -> str:
