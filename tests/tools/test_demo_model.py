@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -231,23 +232,40 @@ def test_server_names_the_shapes(demo_server: Server) -> None:
 
 @pytest.mark.server
 def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
-    """The chat page in headless Chromium, on the demo checkpoint: the example picture attached,
-    "Find every shape." asked (greedy); every box the page draws overlaps its shape's true box (in the
-    picture's own pixels) with IoU >= 0.5. VLMSERVE_WEB_SCREENSHOT=docs/web-ui.png keeps the
-    screenshot README shows."""
+    """The chat page in headless Chromium, on the demo checkpoint: the empty page lists the demo's
+    questions; the example picture attached, "Find every shape." picked from them and asked
+    (greedy); the answer shows as text with the boxes' labels and numbers, not tags, and every
+    box the page draws overlaps its shape's true box (in the picture's own pixels) with IoU >=
+    0.5. VLMSERVE_WEB_SCREENSHOTS=docs keeps the screenshots docs/web-ui.md shows, at a desktop's
+    width and a phone's."""
     import os
 
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tests.api.test_web_ui import _ask, _attach, _browser, _open_page, _set
+    from tests.api.test_web_ui import _attach, _browser, _open_page, _set, _shows_what_the_model_can_be_asked
+    from vlmserve.grounding import readable
+    from vlmserve.registry import grounding_convention
+    from vlmserve.tools.demo_checkpoint import DEMO_QUESTIONS
 
     browser = _browser()
     try:
         wait = WebDriverWait(browser, 60)
         _open_page(browser, wait, demo_server.url, demo_server.api_key, "demo")
+        _shows_what_the_model_can_be_asked(browser, DEMO_QUESTIONS)
+        about = browser.find_element("id", "welcome").text
+        assert "demo checkpoint" in about and "Qwen2-VL" in about
         _set(browser, "temperature", "0")
         _attach(browser, wait, SHAPES)
-        answer = _ask(browser, wait, "Find every shape.")
+        examples = browser.find_elements("css selector", "#welcome .examples button")
+        (ask,) = [b for b in examples if b.text == "Find every shape."]
+        ask.click()
+        browser.find_element("id", "send").click()
+        wait.until(lambda b: b.find_elements("css selector", ".message.assistant[data-state=done]"))
+        (answer,) = browser.find_elements("css selector", ".message.assistant")
+        raw = answer.get_attribute("data-text")
+        shown = browser.execute_script("return arguments[0].querySelector('.text').textContent", answer)
+        assert "<|box_start|>" in raw and "<|" not in shown and "the green square [" in shown, shown
+        assert shown == readable(raw, grounding_convention("qwen2-vl").tags, complete=True)
         drawn = {
             box.text: tuple(float(box.get_attribute(f"data-{k}")) for k in ("x1", "y1", "x2", "y2"))
             for box in answer.find_elements("css selector", ".grounding .box")
@@ -256,10 +274,26 @@ def test_page_draws_the_demo_boxes_on_the_shapes(demo_server: Server) -> None:
         assert drawn.keys() == truth.keys(), answer.text
         for label, box in drawn.items():
             assert scenes.iou(box, truth[label]) >= 0.5, (label, box, truth[label])
-        if os.environ.get("VLMSERVE_WEB_SCREENSHOT"):
-            assert browser.save_screenshot(os.environ["VLMSERVE_WEB_SCREENSHOT"])
+        if folder := os.environ.get("VLMSERVE_WEB_SCREENSHOTS"):
+            assert browser.save_screenshot(os.path.join(folder, "web-ui.png"))
+            browser.set_window_size(390, 844)
+            assert browser.save_screenshot(os.path.join(folder, "web-ui-phone.png"))
     finally:
         browser.quit()
+
+
+def test_demo_questions_are_questions_it_was_trained_on() -> None:
+    """What the server tells clients the demo can be asked: each question is one the training
+    asks about examples/shapes.png, worded as in training, one of every kind."""
+    from vlmserve.tools.demo_checkpoint import DEMO_QUESTIONS
+
+    scene = scenes.example_scene()
+    asked: dict[str, set[str]] = {}
+    for seed in range(200):  # the questions a scene gets are drawn at random: collect them all
+        for qa in scenes.questions(scene, random.Random(seed)):
+            asked.setdefault(qa.kind, set()).add(qa.question)
+    kinds = [next(k for k, qs in asked.items() if q in qs) for q in DEMO_QUESTIONS]
+    assert sorted(kinds) == sorted(scenes.QUESTION_KINDS)
 
 
 def test_expanded_head_is_the_trained_softmax() -> None:

@@ -1,5 +1,5 @@
 """The chat page `vlmserve serve` serves at `/` (off with --disable-web-ui): three static files
-shipped in the package (vlmserve/api/web/), no build step and nothing fetched from elsewhere.
+(and its icon) shipped in the package (vlmserve/api/web/), no build step and nothing fetched from elsewhere.
 The page is a client of the server's own OpenAI-compatible API (it sends the API key a user types
 in), so serving it needs no key: only these exact paths are open, each answered with a
 Content-Security-Policy that allows scripts, styles and connections from this origin only."""
@@ -17,6 +17,7 @@ FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/web/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/web/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/web/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 WEB_PATHS = tuple(FILES)
 # Pictures the user picks are shown from blob: URLs and sent as data: URLs; nothing else leaves

@@ -21,6 +21,7 @@ const TEXT_SETTINGS = ["system", "stop", "regex"];
 
 const state = {
   model: null, // the served model name (GET v1/models)
+  card: null, // its entry in GET v1/models: `vlmserve` says its family, box convention, example questions
   history: [], // {role: "user", text, media: [Media]} | {role: "assistant", text}
   pending: [], // Media attached to the next message
   controller: null, // AbortController of the answer being streamed
@@ -200,6 +201,45 @@ function toOriginal(raw, convention, originalSize, resizedSize) {
   };
 }
 
+// The tagged syntax a convention's model writes (vlmserve/grounding.py's BoxTags).
+const tagsOf = (convention) => (convention === "qwen-vl" ? TAGS[1] : TAGS[0]);
+// Numbers as Python's f"{v:g}" writes them for coordinates (6 significant digits).
+const shortNumber = (v) => String(Number(v.toPrecision(6)));
+
+// An answer as the page shows it (vlmserve.grounding.readable, as the terminal chat prints it):
+// label tags dropped (the label stays), each box or quad as " [x1,y1 - x2,y2]", a point " [x,y]",
+// other special tokens dropped. Until `complete`, a box or tag still arriving is held back.
+function readable(text, convention, complete) {
+  const [rs, re, bs, be, qs, qe] = tagsOf(convention);
+  if (!complete) {
+    const opened = text.lastIndexOf("<|");
+    if (opened > text.lastIndexOf("|>")) text = text.slice(0, opened);
+    for (const [start, end] of [[bs, be], [qs, qe]]) {
+      const open = text.lastIndexOf(start);
+      if (open > text.lastIndexOf(end)) text = text.slice(0, open);
+    }
+    for (const tag of [rs, re, bs, be, qs, qe]) {
+      let cut = 0;
+      for (let n = tag.length - 1; n > 0; n--) {
+        if (text.endsWith(tag.slice(0, n))) {
+          cut = n;
+          break;
+        }
+      }
+      text = text.slice(0, text.length - cut);
+    }
+  }
+  text = text.split(rs).join("").split(re).join("");
+  const [b1, b2, q1, q2] = [bs, be, qs, qe].map(escapeRegExp);
+  text = text.replace(new RegExp(`${b1}([\\s\\S]*?)${b2}|${q1}([\\s\\S]*?)${q2}`, "g"), (m, box, quad) => {
+    const values = numbers(box !== undefined ? box : quad).map(shortNumber);
+    const pairs = [];
+    for (let i = 0; i < values.length; i += 2) pairs.push(values.slice(i, i + 2).join(","));
+    return ` [${pairs.join(" - ")}]`;
+  });
+  return text.replace(/<\|[a-z_]+\|>/g, "");
+}
+
 function parseBoxes(text, convention, originalSize, resizedSize) {
   return findBoxes(text).map((raw) => toOriginal(raw, convention, originalSize, resizedSize));
 }
@@ -246,6 +286,8 @@ function boxesFigure(media, boxes, originalSize) {
 // -- the conversation -----------------------------------------------------------------------------
 
 function addMessage(role) {
+  const welcome = $("welcome");
+  if (welcome) welcome.remove();
   const el = document.createElement("div");
   el.className = `message ${role}`;
   $("chat").append(el);
@@ -281,6 +323,42 @@ function showUserMessage(entry) {
   text.textContent = entry.text;
   el.append(text);
   scrollDown();
+}
+
+// The empty conversation says what the model can be asked: its example questions (the server's,
+// from GET v1/models), each a button that puts it in the prompt box.
+function showWelcome() {
+  if (state.history.length || $("welcome")) return;
+  const info = (state.card && state.card.vlmserve) || {};
+  const el = document.createElement("div");
+  el.id = "welcome";
+  const title = document.createElement("h2");
+  title.textContent = `Ask ${info.family || state.model || "the model"} about a picture`;
+  el.append(title);
+  if (info.about) {
+    const about = document.createElement("p");
+    about.textContent = info.about;
+    el.append(about);
+  }
+  const how = document.createElement("p");
+  how.textContent =
+    "Attach a picture or a video with +, paste one or drop it anywhere on the page, then ask." +
+    (info.grounding_convention ? " Boxes in an answer are drawn on the picture." : "");
+  el.append(how);
+  const questions = document.createElement("div");
+  questions.className = "examples";
+  for (const question of info.example_questions || []) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = question;
+    button.addEventListener("click", () => {
+      $("prompt").value = question;
+      $("prompt").focus();
+    });
+    questions.append(button);
+  }
+  el.append(questions);
+  $("chat").append(el);
 }
 
 function scrollDown() {
@@ -395,6 +473,7 @@ async function send() {
   state.history.push(entry);
   showUserMessage(entry);
 
+  const userEl = $("chat").lastElementChild;
   const answer = { role: "assistant", text: "" };
   const el = addMessage("assistant");
   el.dataset.state = "streaming";
@@ -423,7 +502,7 @@ async function send() {
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) {
           answer.text += choice.delta.content;
-          textEl.textContent = answer.text;
+          textEl.textContent = readable(answer.text, convention(extension), false);
           scrollDown();
         }
         if (choice.finish_reason) finish = choice.finish_reason;
@@ -431,14 +510,31 @@ async function send() {
     });
     el.dataset.state = "done";
   } catch (e) {
-    el.dataset.state = e.name === "AbortError" ? "stopped" : "error";
-    if (e.name !== "AbortError") el.classList.add("error");
-    meta.textContent = e.name === "AbortError" ? "stopped" : String(e.message || e);
+    const stopped = e.name === "AbortError";
+    el.dataset.state = stopped ? "stopped" : "error";
+    if (!stopped) el.classList.add("error");
+    meta.textContent = stopped ? "stopped" : String(e.message || e);
   } finally {
     state.controller = null;
     setBusy(false);
   }
-  if (answer.text || el.dataset.state === "done") state.history.push(answer); // a failed turn adds no empty answer
+  textEl.textContent = readable(answer.text, convention(extension), true);
+  el.dataset.text = answer.text;
+  if (el.dataset.state !== "done") {
+    // As the terminal chat does: a turn that failed or was stopped is left out of the conversation
+    // sent next; a failed one's words and pictures go back in the prompt box to be sent again.
+    state.history.splice(state.history.indexOf(entry), 1);
+    for (const message of [userEl, el]) message.classList.add("left-out");
+    meta.textContent += " · left out of the conversation";
+    if (el.dataset.state === "error" && !$("prompt").value && !state.pending.length) {
+      $("prompt").value = entry.text;
+      state.pending.push(...entry.media);
+      showPending();
+    }
+    scrollDown();
+    return;
+  }
+  state.history.push(answer);
   if (usage) {
     showTokens(usage.multimodal_tokens || []);
     const parts = [`${usage.prompt_tokens} prompt + ${usage.completion_tokens} answer tokens`];
@@ -446,8 +542,13 @@ async function send() {
     meta.textContent = parts.join(" · ");
   }
   showBoxes(el, answer.text, extension);
-  el.dataset.text = answer.text;
   scrollDown();
+}
+
+// The answer's box convention: the response's, else the model's (GET v1/models).
+function convention(extension) {
+  if (extension && extension.grounding_convention) return extension.grounding_convention;
+  return state.card && state.card.vlmserve ? state.card.vlmserve.grounding_convention : null;
 }
 
 function setBusy(busy) {
@@ -509,9 +610,13 @@ async function loadModel() {
       return;
     }
     const models = await response.json();
-    state.model = models.data[0].id;
+    state.card = models.data[0];
+    state.model = state.card.id;
     $("model").textContent = state.model;
     $("status").textContent = "";
+    const welcome = $("welcome");
+    if (welcome) welcome.remove();
+    showWelcome();
   } catch (e) {
     $("status").textContent = `cannot reach the server: ${e.message || e}`;
   }
@@ -560,7 +665,9 @@ function init() {
     if (state.controller) state.controller.abort();
     state.history = [];
     $("chat").replaceChildren();
+    showWelcome();
   });
+  $("settings-toggle").addEventListener("click", () => document.body.classList.toggle("show-settings"));
   $("file").addEventListener("change", async (e) => {
     await attach([...e.target.files]);
     e.target.value = "";
