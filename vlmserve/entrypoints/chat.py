@@ -10,8 +10,10 @@ are drawn on the conversation's latest image (Qwen-VL's rule), one PNG per turn.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -162,11 +164,37 @@ class Chat:
                     return 0
                 continue
             try:
-                self.ask(line)
+                with typing_held_back(lines):
+                    self.ask(line)
             except ValueError as e:  # the turn is left out; the conversation goes on
                 print(f"error: {e}", file=sys.stderr)
             except KeyboardInterrupt:
                 print("\n(answer interrupted; the turn is left out)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def typing_held_back(lines: IO[str]) -> Iterator[None]:
+    """While an answer streams, what the user types on the terminal is not echoed into it; the
+    keystrokes stay in the terminal's input, so they start the next prompt (readline shows them
+    there), or reach the shell after a one-shot question. Only the terminal's echo is turned off:
+    Ctrl-C still interrupts. Anything but a terminal (a pipe, a file; Windows) is left alone."""
+    try:
+        import termios
+
+        fd = lines.fileno()
+        saved = termios.tcgetattr(fd) if lines.isatty() else None
+    except (ImportError, OSError, ValueError):  # no termios, or no file descriptor behind `lines`
+        saved = None
+    if saved is None:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHONL)  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:  # TCSANOW, not TCSAFLUSH: the keystrokes typed meanwhile are kept
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 # Said once when a command runs the embedded demo checkpoint because no MODEL was given.
@@ -195,7 +223,8 @@ def run(args: argparse.Namespace, model: str | None, question: str | None) -> in
     )
     chat = Chat(llm, args)
     if question is not None:
-        return chat.ask(question)
+        with typing_held_back(sys.stdin):
+            return chat.ask(question)
     return chat.loop(sys.stdin)
 
 
