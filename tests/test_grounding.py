@@ -54,14 +54,14 @@ EVERY_TAG_SYNTAX = [named("qwen-vl").tags, named("qwen2-vl").tags]
 
 
 def test_seed_000_worked_example() -> None:
-    # Qwen-VL-Chat on the 2048 x 1365 demo photo; the seed's cv2 code truncates x / 1000 * w.
+    # Qwen-VL-Chat on the 2048 x 1365 demo photo; the reference's cv2 code truncates x / 1000 * w.
     text = "<ref>击掌</ref><box>(536,509),(588,602)</box>"
     (box,) = parse_boxes(text, named("qwen-vl"), (2048, 1365), resized(2048, 1365))
     assert box.label == "击掌" and box.raw == (536, 509, 588, 602) and box.convention == "qwen-vl"
     assert tuple(int(v) for v in xyxy(box)) == (1097, 694, 1204, 821)
     assert xyxy(box) == pytest.approx((1097.728, 694.785, 1204.224, 821.73))
     assert not (box.clamped or box.swapped or box.degenerate)
-    # The answer the seed's dialogue shows, and its list-format example with spaces.
+    # The answer the reference's dialogue shows, and its list-format example with spaces.
     (box,) = parse_boxes("<ref>击掌</ref><box>(517,508),(589,611)</box>", named("qwen-vl"), (2048, 1365), (1204, 812))
     assert xyxy(box) == pytest.approx((517 * 2.048, 508 * 1.365, 589 * 2.048, 611 * 1.365))
     (box,) = parse_boxes("<ref>香蕉</ref><box>(10, 100),(30,200)</box>", named("qwen-vl"), (1000, 500), (1008, 504))

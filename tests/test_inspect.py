@@ -1,5 +1,5 @@
-"""`vlmserve inspect`: parameter counts per part from a config alone, against the seed's table for
-Qwen-VL-Chat (seed 000) and the totals the hub lists for the Qwen2-VL / Qwen2.5-VL safetensors."""
+"""`vlmserve inspect`: parameter counts per part from a config alone, against the reference's table for
+Qwen-VL-Chat and the totals the hub lists for the Qwen2-VL / Qwen2.5-VL safetensors."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ in every convention. 0..1000 maps as x * original_w / 1000, absolute as x * orig
 resized_w. The processor records both sizes per image (RequestOutput.mm_items; the server's
 `vlmserve.mm_items`).
 
-Worked example (seed 000): Qwen-VL-Chat answers `<ref>击掌</ref><box>(517,508),(589,611)</box>`
+Worked example: Qwen-VL-Chat answers `<ref>击掌</ref><box>(517,508),(589,611)</box>`
 about a 2048 x 1365 photo: x1 = 517 / 1000 * 2048 = 1058.8, y1 = 508 / 1000 * 1365 = 693.4.
 
 What comes back is what the text says, made safe to draw, with what was changed said:

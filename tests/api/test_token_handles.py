@@ -1,4 +1,4 @@
-"""Seed 004: list-of-dicts inputs to token ids carrying shared-memory handles, and back."""
+"""List-of-dicts inputs to token ids carrying shared-memory handles, and back."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ def test_bad_images_are_named_and_the_llm_goes_on(llm: LLM, pictures: list[str])
     assert llm.chat(conversations(pictures)[1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
-# -- seed 004: the list-of-dicts input, shared-memory handles after <img> ----------------------
+# -- the list-of-dicts input, shared-memory handles after <img> ----------------------
 
 IMG, IMG_END, IMG_PAD = 151857, 151858, 151859  # config.json's visual.image_start_id, + 1, + 2
 
@@ -225,7 +225,7 @@ def test_seed_004_handles_sit_after_img_and_generate_what_chat_does(llm: LLM, pi
     expected = llm.chat(chat, params)[0]
     rendered = expected.prompt_token_ids
     p = rendered.index(IMG)
-    # The seed's worked example: the prompt as chat renders it ("Picture 1: <img>PATH</img>\n"),
+    # The contract's worked example: the prompt as chat renders it ("Picture 1: <img>PATH</img>\n"),
     # the segment's name at <img> + 1 and the shape of its pixels at <img> + 2, nothing else.
     assert len(ids) == len(rendered) and rendered[p + 257] == IMG_END
     assert [k for k, (a, b) in enumerate(zip(ids, rendered, strict=True)) if a != b] == [p + 1, p + 2]

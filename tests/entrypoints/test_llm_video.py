@@ -248,7 +248,7 @@ def test_qwen2_5_vl_mixed_batch_equals_each_alone_and_transformers(  # type: ign
 
 
 def test_qwen2_5_vl_video_through_token_handles_answers_as_chat(llm25: LLM, tmp_path: Path) -> None:
-    """Seed 004 for a video: the ids from LLM.tokenize (handle, grid and seconds per temporal patch
+    """The list-of-dicts input for a video: the ids from LLM.tokenize (handle, grid and seconds per temporal patch
     in the video's first placeholders) give the chat's tokens and logprobs, absolute-time
     positions included (0.625 s per patch, not the default 1 s), and free their segment."""
     from tests.api.conftest import segments_left

@@ -58,8 +58,8 @@ EXEMPTIONS = {
     ("qwen3_5", "tensor_parallel"): _UNSHARDED.format("Qwen3.5 (its Gated DeltaNet layers and their state)"),
     ("qwen3_5_moe", "tensor_parallel"): _UNSHARDED.format("Qwen3.5-MoE (its Gated DeltaNet layers and their state)"),
     ("qwen_vl", "handles_keep_original_size"): (
-        "seed 004's Qwen-VL-Chat form puts the shape of the 448 x 448 pixels after <img>, nothing of the image "
-        "it was resized from: a request from those ids reports 448 x 448 as the original size"
+        "the list-of-dicts input's Qwen-VL-Chat form puts the shape of the 448 x 448 pixels after <img>, "
+        "nothing of the image it was resized from: a request from those ids reports 448 x 448 as the original size"
     ),
 }
 CHECKS = (

@@ -3,7 +3,7 @@ entry for everything it can: its config parsed as transformers reads it, its pro
 ids, pixels and positions as transformers makes them, float32 logits (whole prompts, and chunks
 ending inside images, then decode steps) and greedy tokens (batched with a small token budget,
 alone, and again from the prefix cache) as its reference gives them, one request through a real
-server, seed 004's list-of-dicts input with shared-memory handles in the token ids, tensor
+server, Qwen's list-of-dicts input with shared-memory handles in the token ids, tensor
 parallelism where the family shards, its grounding convention, and a tiny checkpoint of its own
 writing that loads whole. A family exempt from a check says why (conftest.py's EXEMPTIONS).
 
@@ -283,7 +283,7 @@ def test_a_served_request_is_answered_as_offline(family: ModelFamily, served: An
     assert item["modality"] == "image" and item["original_size"] == list(image.size)
 
 
-# -- seed 004: list-of-dicts input, shared-memory handles in the token ids -------------------------
+# -- list-of-dicts input, shared-memory handles in the token ids -------------------------
 
 
 def test_list_of_dicts_with_shared_memory_handles_generate_what_chat_does(

@@ -264,7 +264,7 @@ def test_image_logits_match_transformers_float32(
 def test_image_and_video_logits_match_transformers_float32(
     tiny25_dir: Path, harness: Harness, hf25_model, hf_tok_and_images
 ) -> None:  # type: ignore[no-untyped-def]
-    """A video short enough in time that transformers' own positions are the seed's."""
+    """A video short enough in time that transformers' own positions are the reference's."""
     text = chat(IMAGE, "then", VIDEO, "what happens?")
     media: list[Image.Image | Video] = [image(8, 12, 5), SHORT_VIDEO]
     prompt = our_prompt(tiny25_dir, text, media)

@@ -1,7 +1,7 @@
-"""Qwen-VL-Chat against the seed's description of its remote code (seed 000). The remote code is
-not available here, so each stage is checked for the shapes and invariants the seed states, and
+"""Qwen-VL-Chat against the description of its remote code. The remote code is
+not available here, so each stage is checked for the shapes and invariants the description states, and
 the whole model against a dense transcription of the reference forward written below from the
-seed's formulas (with its KV cache of rotated keys and its cached ntk_alpha)."""
+description's formulas (with its KV cache of rotated keys and its cached ntk_alpha)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def image_prompt_ids(url: bytes = b"demo.jpeg") -> tuple[list[int], int]:
     return ids, ids.index(IMG) + 1
 
 
-# -- a dense transcription of the reference (seed 000) ------------------------------------------
+# -- a dense transcription of the reference ------------------------------------------
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -137,7 +137,7 @@ def dense_visual(sd: dict[str, torch.Tensor], images: torch.Tensor, heads: int) 
 
 class DenseReference:
     """QWenLMHeadModel.forward for one sequence, with a past_key_values cache of rotated keys.
-    decode_alpha "cached": decode steps reuse the prefill's ntk_alpha (the seed's code: the rule
+    decode_alpha "cached": decode steps reuse the prefill's ntk_alpha (the reference's code: the rule
     runs only when kv_seq_len == the forward's length); "per_step": each forward picks it from its
     own kv_seq_len (the rule the engine gets when decode tokens' row 1 is their position)."""
 
@@ -243,7 +243,7 @@ def paged_logits(h: Harness, embeds: torch.Tensor, positions: torch.Tensor, size
 
 def positions_for(num_prompt: int, num_decoded: int, decode_alpha: str) -> torch.Tensor:
     """[3, N]: row 0 the position; row 1 + 1 the length NTK uses: the prompt's for prompt tokens
-    and, with "cached", for decoded ones too (the seed's rule); with "per_step" decoded token i has i + 1."""
+    and, with "cached", for decoded ones too (the reference's rule); with "per_step" decoded token i has i + 1."""
     total = num_prompt + num_decoded
     rows = torch.arange(total).expand(3, -1).clone()
     rows[1, :num_prompt] = num_prompt - 1
@@ -311,7 +311,7 @@ def test_rotary_pairs_dimension_i_with_i_plus_half() -> None:
 
 @pytest.mark.parametrize("seq_length", [2048, SEQ_LENGTH])
 def test_ntk_alpha_changes_exactly_at_the_seeds_thresholds(seq_length: int) -> None:
-    # The seed's examples: up to 2048 -> 1; 4096 (two times) -> 3; then 7 up to four times.
+    # The reference's examples: up to 2048 -> 1; 4096 (two times) -> 3; then 7 up to four times.
     assert [ntk_alpha(n, 2048) for n in (1, 2047, 2048, 2049, 4096, 4097, 8192, 8193)] == [1, 1, 1, 3, 3, 7, 7, 15]
     rotary = QwenRotaryEmbedding(128, 10000.0, seq_length, use_dynamic_ntk=True)
     lengths = torch.arange(1, 20 * seq_length)

@@ -1,4 +1,5 @@
-"""Seed 004's values inside token ids: exact encodings, and each kind refused where another is expected."""
+"""The shared-memory handles' values inside token ids: exact encodings, and each kind refused where
+another is expected."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ VOCAB = 151936  # the largest Qwen vocabulary: every value must lie above every 
 
 
 def test_the_seed_example_shape_encodes_to_one_exact_int64() -> None:
-    # Qwen-VL-Chat's pixels as the seed's tokenize() stores them: image_pixel[None, :] of [3, 448, 448].
+    # Qwen-VL-Chat's pixels as the contract's tokenize() stores them: image_pixel[None, :] of [3, 448, 448].
     value = handles.shape_to_int64((1, 3, 448, 448))
     assert value == 0x6000_2000_C0E0_01C0 == 1 << 62 | 2 << 60 | 1 << 45 | 3 << 30 | 448 << 15 | 448
     assert handles.int64_to_shape(value) == (1, 3, 448, 448)

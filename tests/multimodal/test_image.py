@@ -25,7 +25,7 @@ def _compare(hf_image_processor, image: Image.Image, config: ImageProcessorConfi
 
 
 def test_seed_001_numbers() -> None:
-    # Seed 001: a 1420 (high) x 720 (wide) image is resized to 1428 x 728 under the published
+    # Qwen2-VL's worked example: a 1420 (high) x 720 (wide) image is resized to 1428 x 728 under the published
     # preprocessor_config.json bounds (smart_resize's own default max_pixels, 1003520, would cut
     # it to 1400 x 700).
     assert smart_resize(1420, 720, factor=28, min_pixels=3136, max_pixels=12845056) == (1428, 728)

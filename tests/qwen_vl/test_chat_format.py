@@ -1,4 +1,4 @@
-"""make_context, the list format and the messages bridge against seed 000."""
+"""make_context, the list format and the messages bridge against the reference."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vlmserve.families.qwen_vl.chat_format import (
 from vlmserve.families.qwen_vl.tokenizer import QwenVLTokenizer
 
 DEMO_URL = "https://qianwen-res.oss-cn-beijing.aliyuncs.com/Qwen-VL/assets/demo.jpeg"
-# Seed 000: make_context(query="how about 2+2", history=[("1+1=?", "1+1=2")], system="you are a helpful assistant")
+# The reference: make_context(query="how about 2+2", history=[("1+1=?", "1+1=2")], system="you are a helpful assistant")
 SEED_CONTEXT_TOKENS = [
     *[151644, 8948, 198, 9330, 525, 264, 10950, 17847, 151645],  # <|im_start|>system\nyou are ...<|im_end|>
     *[198, 151644, 872, 198, 16, 10, 16, 19884, 151645],  # \n<|im_start|>user\n1+1=?<|im_end|>
@@ -104,7 +104,7 @@ def test_from_list_format() -> None:
     # The remote code's box: a list of [x1, y1, x2, y2], written with %d.
     box = {"box": [[517, 508, 589, 611], (1.9, 2, 3, 4)], "ref": "击掌"}
     assert from_list_format([box]) == "<ref>击掌</ref><box>(517,508),(589,611)</box><box>(1,2),(3,4)</box>"
-    # The seed's own example gives one flat box.
+    # The reference's own example gives one flat box.
     assert from_list_format([{"box": [10, 100, 30, 200]}]) == "<box>(10,100),(30,200)</box>"
     assert (
         from_list_format([{"box": [10, 100, 30, 200], "ref": "香蕉"}]) == "<ref>香蕉</ref><box>(10,100),(30,200)</box>"

@@ -1,4 +1,4 @@
-"""QwenVLProcessor: images from the <img> spans, the seed's 448 bicubic + CLIP preprocessing, 1-D
+"""QwenVLProcessor: images from the <img> spans, the reference's 448 bicubic + CLIP preprocessing, 1-D
 positions, limits and errors."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.multimodal.media import MediaError
 from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
 
-# Seed 000: transforms.Normalize(mean, std) after a 448 x 448 bicubic resize and ToTensor.
+# The reference: transforms.Normalize(mean, std) after a 448 x 448 bicubic resize and ToTensor.
 MEAN = (0.48145466, 0.4578275, 0.40821073)
 STD = (0.26862954, 0.26130258, 0.27577711)
 

@@ -1,4 +1,4 @@
-"""QwenVLTokenizer against seed 000's values and against tiktoken built from the same qwen.tiktoken."""
+"""QwenVLTokenizer against the reference's values and against tiktoken built from the same qwen.tiktoken."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vlmserve.families.qwen_vl.tokenizer import IMAGE_ST, QwenVLTokenizer, cache
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.tools.tiktoken_to_hf import load_tiktoken_ranks
 
-# The seed's split pattern and special tokens, as the remote QWenTokenizer builds its tiktoken.Encoding.
+# The reference's split pattern and special tokens, as the remote QWenTokenizer builds its tiktoken.Encoding.
 PAT_STR = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""

@@ -150,7 +150,7 @@ class EngineClient:
         """Submit a request; yields its (cumulative) output after every step that changed it.
         Closing the iterator early (client gone) aborts the request and frees what it holds.
         `arrival_time`: when the request arrived (time.monotonic()), for its metrics; None: now."""
-        # Seed 004: segments named by handles in the ids are ours to free until the engine has them.
+        # The list-of-dicts input: segments named by handles in the ids are ours to free until the engine has them.
         names = [] if prompt.mm_items else token_handles.segment_names(prompt.prompt_token_ids, self.frontend.processor)
         reason = self.unavailable_reason
         if reason is not None or request_id in self.queues:

@@ -179,7 +179,7 @@ class EngineLoop:
         finally:
             for segment in message.segments:
                 shm.unlink(segment.name)
-        if not prompt.mm_items:  # seed 004: handles may travel inside the token ids
+        if not prompt.mm_items:  # The list-of-dicts input: handles may travel inside the token ids
             ids, items = token_handles.decode(prompt.prompt_token_ids, self.core.model_info.processing)
             if items:
                 return self.core.model_info.processing.from_token_ids(ids, items)

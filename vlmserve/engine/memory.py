@@ -1,4 +1,4 @@
-"""Memory planning (seed 003): size the KV cache from what a memory budget leaves after the
+"""Memory planning (vLLM's way): size the KV cache from what a memory budget leaves after the
 weights, the encoder cache, and the peak activation memory of a worst-case step.
 
 The worst case is measured, not estimated: the model runs dummy inputs of the largest size the

@@ -1,11 +1,12 @@
-"""POSIX shared memory for pixels on their way from the API process to the engine (seed 004).
+"""POSIX shared memory for pixels on their way from the API process to the engine (and in the
+list-of-dicts input's handles).
 
 One segment per image, named vlmserve-<pid>-<id>: <pid> is the process that created it, <id> 38
 random bits. The engine unlinks a segment once it has copied it; whoever creates a segment
 unlinks it if the engine never got it; and `sweep()` at start-up removes segments whose creator
 has died (a crashed run), leaving those of live processes alone.
 
-Seed 004 carries segment handles inside token ids, so a name encodes to an int64 far above any
+The list-of-dicts input carries segment handles inside token ids, so a name encodes to an int64 far above any
 token id: 1 << 61 | pid << 38 | id (the values written after it, grids and shapes, are
 vlmserve.multimodal.handles'). Every handle decodes to a name under our prefix, so a token id can
 never point the engine at somebody else's segment.

@@ -1,4 +1,4 @@
-"""Seed 004's contract: token ids that carry shared-memory handles (written by the API process's
+"""The list-of-dicts input's contract: token ids that carry shared-memory handles (written by the API process's
 vlmserve.api.list_format.tokenize). `decode(ids, info)` is the engine's side: it reads and
 unlinks the segments, puts the placeholder ids back and returns the items; `release` unlinks
 them for a request that never reaches the engine. Segments are released whatever happens.

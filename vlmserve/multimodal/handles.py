@@ -1,4 +1,5 @@
-"""Seed 004's int64 values inside token ids: what a family writes after an item's segment handle.
+"""The int64 values inside token ids (the list-of-dicts input's shared-memory handles): what a
+family writes after an item's segment handle.
 
 Every value is far above any token id, so a prompt carrying them cannot be mistaken for a plain
 one, and each says what it is:

@@ -1,4 +1,4 @@
-"""Qwen2-VL image preprocessing (seed 001): smart_resize, normalisation and patch flattening.
+"""Qwen2-VL image preprocessing: smart_resize, normalisation and patch flattening.
 
 The steps and their order follow transformers' Qwen2-VL image processor (PIL backend), so pixel
 values agree with it to float32 rounding: RGB conversion compositing transparency onto white,
@@ -31,7 +31,7 @@ def smart_resize(
     """The (height, width) closest to the input that is a multiple of `factor` in both
     dimensions and holds between `min_pixels` and `max_pixels` pixels.
 
-    Seed 001: 1420 x 720 with factor 28 becomes 1428 x 728.
+    Qwen2-VL's worked example: 1420 x 720 with factor 28 becomes 1428 x 728.
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image is zero-sized ({width}x{height})")

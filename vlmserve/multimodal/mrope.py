@@ -15,7 +15,7 @@ Worked example: "a b <image 1x4x4, m=2> c" (the image is 2 x 2 merged tokens)
 so the sequence has 7 tokens but its last position is 4: mrope_delta = 4 + 1 - 7 = -2, and a
 decoded token with index i sits at i + mrope_delta in all three streams.
 
-Qwen2.5-VL gives videos absolute time (seed 002): temporal index ti becomes
+Qwen2.5-VL gives videos absolute time: temporal index ti becomes
 start + int(ti * second_per_grid_t * tokens_per_second). With tokens_per_second 25 and 0.5 s per
 temporal patch, a 3-patch video's temporal positions are start + [0, 12, 25], and the text after
 it resumes at start + 26 when the spatial grid is smaller than that.

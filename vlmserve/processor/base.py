@@ -65,9 +65,9 @@ class RenderedChat:
 
 class ProcessingInfo(Protocol):
     """What the engine needs of a family's processor, without a tokenizer (the engine process
-    loads none): the admitted limits, worst-case dummy inputs for memory planning (seed 003's
-    processing info and dummy builder), and prompts rebuilt from token ids and items processed
-    elsewhere (the API process, a token-handle prompt)."""
+    loads none): the admitted limits, worst-case dummy inputs for memory planning (vLLM's processing
+    info and dummy builder), and prompts rebuilt from token ids and items processed elsewhere (the
+    API process, a token-handle prompt)."""
 
     media_limits: MediaLimits
 
@@ -81,7 +81,7 @@ class ProcessingInfo(Protocol):
         """Spans checked against the items, positions rebuilt."""
         ...
 
-    # Seed 004: an item may travel as a shared-memory segment whose handle sits at the item's
+    # The list-of-dicts input: an item may travel as a shared-memory segment whose handle sits at the item's
     # first placeholder (item.offset), followed by the values handle_payload gives
     # (vlmserve.multimodal.handles); vlmserve.ipc.token_handles does the shared-memory part.
 

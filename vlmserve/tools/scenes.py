@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vlmserve.tools.scenes", description="Draw a scene and print its questions and answers."
     )
-    parser.add_argument("out", help="PNG to write (examples/shapes.png is the default seed's)")
+    parser.add_argument("out", help="PNG to write (examples/shapes.png is the default scene seed's)")
     parser.add_argument("--seed", type=int, default=EXAMPLE_SEED)
     parser.add_argument("--size", type=int, default=EXAMPLE_SIZE)
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The Qwen2-VL processor (seed 001): prompt text or token ids plus images and videos become a
+"""The Qwen2-VL processor: prompt text or token ids plus images and videos become a
 ProcessedPrompt with every <|image_pad|> and <|video_pad|> expanded to t*h*w / merge_size**2
 tokens, one MultiModalItem per image or video in prompt order, and the M-RoPE positions."""
 
@@ -31,7 +31,7 @@ from vlmserve.tokenizer import Tokenizer
 
 class Qwen2VLProcessingInfo:
     """What the engine needs of the processor, without a tokenizer (the engine process loads
-    none): the admitted limits, worst-case dummy inputs for memory planning (seed 003), and a
+    none): the admitted limits, worst-case dummy inputs for memory planning (vLLM's way), and a
     prompt rebuilt from token ids and items processed elsewhere."""
 
     def __init__(
@@ -49,7 +49,7 @@ class Qwen2VLProcessingInfo:
         if image_config.merge_size != self.merge_size or image_config.patch_size != config.vision.patch_size:
             raise ValueError("preprocessor_config.json and config.json disagree on patch_size or merge_size")
 
-    # -- what the memory planner needs (seed 003's processing info and dummy inputs) -----------
+    # -- what the memory planner needs (vLLM's processing info and dummy inputs) -----------
 
     def max_items_per_prompt(self) -> dict[str, int]:
         return {"image": self.limits.limit("image"), "video": self.limits.limit("video")}
@@ -121,7 +121,7 @@ class Qwen2VLProcessingInfo:
         positions, delta = mrope_positions(len(token_ids), items, self.merge_size, self.config.vision.tokens_per_second)
         return ProcessedPrompt(token_ids, items, positions, delta)
 
-    # -- seed 004: items as shared-memory handles in the token ids -----------------------------
+    # -- the list-of-dicts input: items as shared-memory handles in the token ids -----------------------------
     #
     #     ids   ... <|vision_start|> HANDLE GRID [SECONDS] <|image_pad|> ... <|vision_end|>
     #     index     p - 1            p      p+1  p+2       ...                p + length

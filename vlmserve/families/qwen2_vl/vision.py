@@ -1,4 +1,4 @@
-"""The Qwen2-VL vision tower (seed 001): patch embedding, 2-D rotary embedding, bidirectional
+"""The Qwen2-VL vision tower: patch embedding, 2-D rotary embedding, bidirectional
 attention confined to each image frame by cu_seqlens (the blocks: families/common/vision.py),
 and the 2x2 patch merger."""
 

@@ -1,4 +1,4 @@
-"""The Qwen2.5-VL vision tower (seed 002): Qwen2-VL's patch embedding, 2-D rotary embedding and
+"""The Qwen2.5-VL vision tower: Qwen2-VL's patch embedding, 2-D rotary embedding and
 attention, with RMSNorm, a SwiGLU MLP, and window attention in all but a few full-frame blocks.
 
 Window attention: the merged tokens of each frame are tiled into windows of

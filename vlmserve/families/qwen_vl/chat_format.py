@@ -1,4 +1,4 @@
-"""Qwen-VL-Chat's chat format (seed 000): make_context's chatml prompt, the list format of images,
+"""Qwen-VL-Chat's chat format: make_context's chatml prompt, the list format of images,
 boxes and text, and the bridge from OpenAI-style messages.
 
     <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n
@@ -135,7 +135,7 @@ def make_context(
 
 def _coords(value: Any, count: int, what: str) -> list[list[Any]]:
     """A list of `count`-number shapes: [[x1, y1, x2, y2], ...] as the remote code takes a box, or
-    one flat shape [x1, y1, x2, y2] (the seed's own example)."""
+    one flat shape [x1, y1, x2, y2] (the reference's own example)."""
     if isinstance(value, (list, tuple)) and len(value) == count and all(isinstance(v, (int, float)) for v in value):
         shapes = [list(value)]
     elif isinstance(value, (list, tuple)) and all(

@@ -1,4 +1,4 @@
-"""Qwen-VL-Chat (seed 000): the Qwen-7B decoder (fused c_attn with bias, RMSNorm, w1 * silu(w2)
+"""Qwen-VL-Chat: the Qwen-7B decoder (fused c_attn with bias, RMSNorm, w1 * silu(w2)
 MLP, untied lm_head; 1-D RoPE with dynamic NTK and logn attention) whose 256 token positions
 after each <img> take the Resampler's image embeddings. Parameter names are the published
 checkpoint's (transformer.wte, transformer.h.N.*, transformer.visual.*, lm_head).

@@ -1,4 +1,4 @@
-"""The Qwen-VL-Chat processor (seed 000): prompt text or token ids whose <img>...</img> spans name
+"""The Qwen-VL-Chat processor: prompt text or token ids whose <img>...</img> spans name
 the images become a ProcessedPrompt with one 256-token item per span, the pixels the visual
 module takes and Qwen-VL's 1-D positions.
 
@@ -30,7 +30,7 @@ uses:
 and mrope_delta = 0: decoded token i sits at i on rows 0 and 2. Row 1 stays N - 1 while
 decoding (QWenLMHeadModel.decode_positions): the reference chooses ntk_alpha from the prompt's length at
 prefill and keeps it for every decode step (QWenModel.forward's `else: ntk_alpha =
-self.rotary_emb._ntk_alpha_cached`; seed 000 notes the check is true only at the start of
+self.rotary_emb._ntk_alpha_cached`; the reference notes the check is true only at the start of
 generate).
 
 Note: load_pixels applies the EXIF orientation; the reference opens files with PIL and does not.
@@ -62,7 +62,7 @@ GRID_THW = (1, IMAGE_SIZE // PATCH_SIZE, IMAGE_SIZE // PATCH_SIZE)  # the ViT's 
 # JPEG: at most 3 levels of 255 apart from decoding it whole, 0.17 on average; 0.33 s instead
 # of 1.04 s, ~40 MB instead of ~530 MB). Smaller JPEGs decode whole, as the reference does.
 DRAFT_MIN_SIDE = 4 * IMAGE_SIZE
-# Seed 004: the array an image's segment holds, as the seed's tokenize() writes it (image_pixel[None, :]).
+# The array an image's segment holds, as the contract's tokenize() writes it (image_pixel[None, :]).
 SEGMENT_SHAPE = (1, 3, IMAGE_SIZE, IMAGE_SIZE)
 
 
@@ -167,12 +167,12 @@ class QwenVLProcessingInfo:
         pos, delta = positions(len(token_ids), items)
         return ProcessedPrompt(token_ids, items, pos, delta, cache_salt=self._cache_salt(len(token_ids)))
 
-    # -- seed 004: images as shared-memory handles in the token ids ---------------------------
+    # -- the list-of-dicts input: images as shared-memory handles in the token ids ---------------------------
     #
     #     ids   ... <img> HANDLE SHAPE  (the rest of the span) </img> ...
     #     index     p     p+1    p+2                          p+257
     #
-    # the seed's worked example: the segment's name and the shape of the pixels it holds
+    # the contract's worked example: the segment's name and the shape of the pixels it holds
     # ([1, 3, 448, 448] float32) in the two positions after <img> (config.json's
     # visual.image_start_id). The model fills the whole span with the image's features, so the
     # engine puts <imgpad> (image_start_id + 2) in all 256 positions: the image comes from the

@@ -1,4 +1,4 @@
-"""The Qwen-VL-Chat tokenizer (seed 000), natively: the checkpoint's qwen.tiktoken ranks with the
+"""The Qwen-VL-Chat tokenizer, natively: the checkpoint's qwen.tiktoken ranks with the
 remote code's special tokens and its image-span encoding, no trust_remote_code.
 
 Vocabulary: the 151,643 BPE ranks of qwen.tiktoken, then 217 special tokens in this order
@@ -9,7 +9,7 @@ Vocabulary: the 151,643 BPE ranks of qwen.tiktoken, then 217 special tokens in t
 
 Encoding NFC-normalises the whole text, splits out the special tokens that are allowed (all of
 them unless told otherwise, the remote tokenizer's default) and byte-pair encodes the rest with
-the seed's split pattern, exactly as tiktoken does. Then every `<img>URL</img>` becomes
+the reference's split pattern, exactly as tiktoken does. Then every `<img>URL</img>` becomes
 <img>, one token per byte of the URL's UTF-8 whose id IS the byte value (the remote code maps
 each byte b through `decoder.get(b)`, so byte 0x68 'h' is token id 104, not the BPE token "h"),
 <imgpad> up to 256 positions, </img>:

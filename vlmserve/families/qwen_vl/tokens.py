@@ -1,4 +1,4 @@
-"""Qwen-VL-Chat's special tokens (seed 000), shared by its tokenizer and its chat format so that
+"""Qwen-VL-Chat's special tokens, shared by its tokenizer and its chat format so that
 neither imports the other."""
 
 ENDOFTEXT = "<|endoftext|>"

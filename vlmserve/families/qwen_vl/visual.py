@@ -1,4 +1,4 @@
-"""Qwen-VL-Chat's vision tower (seed 000): a 448 px ViT and the Resampler (the paper's VL adapter).
+"""Qwen-VL-Chat's vision tower: a 448 px ViT and the Resampler (the paper's VL adapter).
 
     pixels [B, 3, 448, 448] -> conv1: 14 x 14 patches (a matrix product) -> [B, 1024, width]
     + positional_embedding (256 learned rows = a 16 x 16 grid, bicubically resized to 32 x 32)
