@@ -382,7 +382,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         "Run the OpenAI-compatible HTTP server",
         "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-        '/health, /metrics).\nThe engine runs in a child process; see README\'s "Server" for the safety options.',
+        "/health, /metrics).\nThe engine runs in a child process; see docs/server.md for the safety options.",
         _serve_arguments,
         _serve,
     ),
@@ -398,7 +398,8 @@ COMMANDS: dict[str, Command] = {
         "Run this machine's tensor-parallel ranks of an engine on node 0",
         "Join a tensor-parallel engine whose core runs on node 0 (vlmserve serve/chat with --nnodes): this "
         "machine's\nranks (--tensor-parallel-size / --nnodes of them) build their shard of MODEL and run every step "
-        'with the\nothers. Exits when the engine shuts down or a rank dies. See README\'s "Many machines".',
+        "with the\nothers. Exits when the engine shuts down or a rank dies. See docs/server.md, "
+        '"Tensor parallelism and many machines".',
         _worker_arguments,
         _worker,
     ),

@@ -74,7 +74,7 @@ class LLM:
     ) -> None:
         """tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
         with nnodes > 1 the other machines' ranks join by `vlmserve worker` at master_addr:master_port
-        (README, "Many machines")."""
+        (docs/server.md, "Tensor parallelism and many machines")."""
         configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -120,9 +120,9 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def tokenize(self, inputs: list[dict[str, Any]]) -> list[int]:
-        """Seed 004's contract: [{"text": ...}, {"image": path or URL}, {"video": ...}] to the
-        prompt's token ids as the family's chat renders it, each item's pixels in shared memory
-        and its segment handle (and grid or shape, a video's seconds) in its first placeholder
+        """The list-of-dicts input with shared-memory handles: [{"text": ...}, {"image": path or
+        URL}, {"video": ...}] to the prompt's token ids as the family's chat renders it, each item's
+        pixels in shared memory and its segment handle (and grid or shape, a video's seconds) in its first placeholder
         positions. Submit the ids as {"prompt_token_ids": ids} (here or to a server's engine);
         the segments are released when they are read."""
         from vlmserve.api.list_format import tokenize
