@@ -3,8 +3,9 @@ checkpoint, the benchmark's phases), and the logging setup the command line and 
 
 On a terminal a wait is a tqdm bar on stderr. Elsewhere (a log file, a service manager, a pipe)
 a bar's carriage returns would be noise: the same tqdm counts, rate and estimate of what is left
-go out as plain log lines instead, one when the wait starts, then at most every LOG_INTERVAL_S,
-and one when it ends.
+go out as plain log lines instead, one when the wait starts, then every LOG_INTERVAL_S, and one
+when it ends. The bar is redrawn every LOG_INTERVAL_S even when nothing was counted (one long
+step, a compiler run), so no wait goes longer than that without a line or a moving bar.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterable, Sized
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 T = TypeVar("T")
 
-LOG_INTERVAL_S = 5.0
+LOG_INTERVAL_S = 2.5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%H:%M:%S"
 
@@ -41,6 +43,25 @@ class _LogLines:
         pass
 
 
+class _TickingBar(tqdm):  # type: ignore[type-arg]
+    """A tqdm that a daemon thread redraws every LOG_INTERVAL_S until it is closed (its elapsed time
+    moves; off a terminal, a log line), however long the step between two updates takes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closed = threading.Event()
+        if not self.disable:
+            threading.Thread(target=self._tick, name="progress-tick", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._closed.wait(LOG_INTERVAL_S):
+            self.refresh()
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+
 def on_terminal() -> bool:
     return sys.stderr.isatty()
 
@@ -60,18 +81,32 @@ def progress(
         total = len(iterable)
     common = {"desc": desc, "total": total, "unit": unit, "unit_scale": unit_scale, "leave": True}
     if on_terminal():
-        return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **common)
+        return _TickingBar(iterable, file=sys.stderr, dynamic_ncols=True, **common)
     units = unit if unit_scale else " " + unit + "s"
     if total is None:
         line = "{desc}: {n_fmt}" + units + ", {elapsed} elapsed"
     else:
         line = "{desc}: {n_fmt}/{total_fmt}" + units + " ({percentage:.0f}%), {elapsed} elapsed, ~{remaining} left"
-    return tqdm(
+    return _TickingBar(
         iterable,
         file=_LogLines(logger or logging.getLogger("vlmserve")),
         mininterval=LOG_INTERVAL_S,
         bar_format=line,
         **common,
+    )
+
+
+def waiting(desc: str, logger: logging.Logger | None = None) -> tqdm[Any]:
+    """One long step with nothing to count (a compiler run, the kernel copying pages): its
+    description and the time elapsed, redrawn as a progress bar is; use as a context manager."""
+    if on_terminal():
+        return _TickingBar(file=sys.stderr, desc=desc, bar_format="{desc}: {elapsed}", leave=True)
+    return _TickingBar(
+        file=_LogLines(logger or logging.getLogger("vlmserve")),
+        desc=desc,
+        mininterval=LOG_INTERVAL_S,
+        bar_format="{desc}: {elapsed} elapsed",
+        leave=True,
     )
 
 

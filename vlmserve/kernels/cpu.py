@@ -74,7 +74,10 @@ def _build(source: Path, flags: list[str] = FLAGS) -> Path | None:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    from vlmserve.progress import waiting
+
+    desc = f"compiling {source.name} for this CPU (first use; kept in {target.parent})"
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp, waiting(desc, logger):
         built = Path(tmp) / target.name
         result = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True)
         if result.returncode != 0:

@@ -20,7 +20,7 @@ from vlmserve.models.layers import bind_linear_op, linear_shapes
 from vlmserve.models.prepack import packable_decoder_layers, prepack_linear_layers, prepacks_vision
 from vlmserve.models.quant import read_packed_config, resolve_quantization
 from vlmserve.models.quant.packed import PackedConfig, dequantize_weights
-from vlmserve.progress import progress
+from vlmserve.progress import progress, waiting
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,16 @@ def build_model(
     tower = encoder if prepacks_vision(device, dtype) else None
     decoder = packable_decoder_layers(model, encoder, device, dtype)
     bind_linear_op(model, select_linear_op(device, dtype, linear_shapes(model, exclude=[tower, *decoder])))
+    if tower is not None or decoder:
+        with waiting("reordering weights for oneDNN", logger):  # seconds for a 2B
+            vision_layers = prepack_linear_layers(tower) if tower is not None else 0
+            decoder_layers = prepack_linear_layers(decoder, packed_linear) if decoder else 0
     if tower is not None:
-        logger.info("vision tower: %d linear layers on oneDNN, weights prepacked", prepack_linear_layers(tower))
+        logger.info("vision tower: %d linear layers on oneDNN, weights prepacked", vision_layers)
     if decoder:
         logger.info(
             "decoder: %d linear layers on weights prepacked for oneDNN (up to %d rows: vlmserve's AVX-512 kernel)",
-            prepack_linear_layers(decoder, packed_linear),
+            decoder_layers,
             PACKED_ROWS,
         )
     if device.type == "cpu":

@@ -42,6 +42,7 @@ from torch import nn
 
 from vlmserve.kernels.onednn import packed_linear, weight_address, weight_nbytes
 from vlmserve.models.layers import Linear
+from vlmserve.progress import waiting
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +89,21 @@ def _collapse_onednn_weights(model: nn.Module) -> int:
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    total = 0
+    stretches = []
     for tensor in (m.weight for m in model.modules() if isinstance(m, Linear) and m.op is packed_linear):
         address, nbytes = weight_address(tensor), weight_nbytes(tensor)
         lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-        if hi - lo < HUGE_PAGE:
-            continue
-        if madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) or madvise(lo, hi - lo, _MADV_COLLAPSE):
-            logger.debug("no huge pages for oneDNN's weights: madvise failed (errno %d)", ctypes.get_errno())
-            break
-        total += hi - lo
+        if hi - lo >= HUGE_PAGE:
+            stretches.append((lo, hi))
+    if not stretches:
+        return 0
+    total = 0
+    with waiting("copying oneDNN's weights into huge pages", logger):  # seconds for a 2B
+        for lo, hi in stretches:
+            if madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) or madvise(lo, hi - lo, _MADV_COLLAPSE):
+                logger.debug("no huge pages for oneDNN's weights: madvise failed (errno %d)", ctypes.get_errno())
+                break
+            total += hi - lo
     return total
 
 
