@@ -16,6 +16,7 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.state import SequenceState
 from vlmserve.config import ModelConfig
 from vlmserve.distributed import simulated_tensor_parallel
+from vlmserve.model_files import config_json_path
 from vlmserve.models.quant.packed import PackedConfig
 from vlmserve.models.quant.sizes import quantized_weight_bytes
 from vlmserve.registry import family_of, load_model_config
@@ -83,12 +84,7 @@ def _unrouted(model: nn.Module) -> int:
 
 def load_config(path: str | Path) -> ModelConfig:
     """A config.json, or a checkpoint directory holding one."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"{path}: no config.json there (give a config.json or a checkpoint directory)")
-    return load_model_config(p)
+    return load_model_config(config_json_path(path))
 
 
 def _kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:

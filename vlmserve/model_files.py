@@ -64,6 +64,16 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise _unreachable(repo_id, "download it", e) from None
 
 
+def config_json_path(path: str | Path) -> Path:
+    """A config.json, or a checkpoint directory's; FileNotFoundError saying what to give."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{path}: no config.json there (give a config.json or a checkpoint directory)")
+    return p
+
+
 def hub_config(repo_id: str, revision: str | None = None) -> Path:
     """A hub repository's config.json alone (a few KB; the hub cache first), for sizing a model
     before downloading it. FileNotFoundError / OSError with one-line messages, as _download's."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig, read_config_json
+from vlmserve.families import NAMES
 from vlmserve.families.qwen2_vl.family import QWEN2_5_VL, QWEN2_VL
 from vlmserve.families.qwen3_5.family import QWEN3_5, QWEN3_5_MOE
 from vlmserve.families.qwen3_vl.family import QWEN3_VL, QWEN3_VL_MOE
@@ -20,6 +21,8 @@ BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 # model_type -> the family a config.json without `architectures` means.
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 BY_NAME = {f.name: f for f in FAMILIES}
+if {f.name: f.display_name for f in FAMILIES} != NAMES:
+    raise RuntimeError(f"vlmserve.families.NAMES is not the registry's families: {list(BY_NAME)}")
 # Every family's way of writing boxes, by name (families may share one).
 GROUNDING_CONVENTIONS = {f.grounding.name: f.grounding for f in FAMILIES}
 

@@ -102,6 +102,25 @@ def test_parsing_a_chat_command_line_imports_no_torch() -> None:
     assert "invalid choice: 'qwen9-vl' (choose from 'qwen2-vl', 'qwen2.5-vl', 'qwen3-vl', 'qwen-vl')" in line
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["make-tiny"], ["make-tiny", "out", "--arch", "nope"], ["inspect"], ["inspect", "/no/such"],
+     ["bench", "--num-requests", "0"], ["serve", "--port", "http"], ["chat", "--max-tokens", "-1"], ["worker"]],
+    ids=" ".join,
+)  # fmt: skip
+def test_usage_errors_import_no_torch(argv: list[str]) -> None:
+    """Every command's usage errors (a missing or wrong argument, a path with no config.json) are
+    said before torch is imported, so they arrive at once (a few tens of ms), as a typo should."""
+    code = (
+        "import sys; from vlmserve.entrypoints.cli import main\n"
+        f"try:\n    code = main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout == "2 False\n", (result.stdout, result.stderr)
+    assert len(result.stderr.splitlines()) == 1 and "error:" in result.stderr, result.stderr
+
+
 def test_a_bad_option_value_is_named() -> None:
     line = one_error_line(vlmserve("serve", "--port", "70000"), 2)
     assert "argument --port: must be a TCP port, 1..65535, got 70000" in line

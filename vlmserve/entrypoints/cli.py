@@ -267,14 +267,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
-    from vlmserve.registry import BY_NAME, FAMILIES
+    from vlmserve.families import NAMES  # not the registry: a usage error must not wait for torch
 
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write (replaced if it exists)")
     p.add_argument(
         "--arch",
-        choices=list(BY_NAME),
-        default=FAMILIES[0].name,
-        help="model family: " + ", ".join(f"{f.name} ({f.display_name})" for f in FAMILIES),
+        choices=list(NAMES),
+        default=next(iter(NAMES)),
+        help="model family: " + ", ".join(f"{name} ({display})" for name, display in NAMES.items()),
     )
     p.add_argument(
         "--preset",
@@ -332,19 +332,19 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from vlmserve.model_files import config_json_path, hub_config, looks_like_hub_id
+
+    # The path or hub id first, before torch is imported: a mistake is said at once.
+    try:
+        config_json = hub_config(args.model) if looks_like_hub_id(args.model) else config_json_path(args.model)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # no network, the hub down
+        raise UserError(str(e)) from None
     from vlmserve.config import parse_dtype
     from vlmserve.inspect import format_report, inspect_config, load_config
-    from vlmserve.model_files import hub_config, looks_like_hub_id
     from vlmserve.models.quant import read_packed_config
 
-    config_json = Path(args.model).expanduser()
-    if looks_like_hub_id(args.model):
-        try:
-            config_json = hub_config(args.model)
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from None
-        except OSError as e:  # no network, the hub down
-            raise UserError(str(e)) from None
     try:
         config = load_config(config_json)
     except OSError as e:
