@@ -141,6 +141,28 @@ def test_a_missing_image_is_one_line_before_loading(tiny_dir: Path) -> None:
     assert line == "vlmserve chat: error: --image /no/such.png: no such file"
 
 
+def test_an_image_too_large_or_not_an_image_is_one_line_before_loading(tiny_dir: Path, tmp_path: Path) -> None:
+    """The header is read before the model loads: its size against the limit, with the numbers."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    huge = tmp_path / "huge.png"  # a PNG header declaring 20000 x 20000 pixels (none follow)
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0))
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n" + header + chunk(b"IEND", b""))
+    line = one_error_line(vlmserve("chat", str(tiny_dir), "--image", str(huge), "hi"), 2)
+    assert line == (
+        f"vlmserve chat: error: --image {huge}: image is 20000x20000 = 400000000 pixels, over the 67108864 limit; "
+        "give a smaller picture (up to 8192 x 8192)"
+    )
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    line = one_error_line(vlmserve("chat", str(tiny_dir), "--image", str(text), "hi"), 2)
+    assert line == f"vlmserve chat: error: --image {text}: cannot decode image (not one of BMP, GIF, JPEG, PNG, WEBP)"
+
+
 def test_a_busy_port_is_one_line_before_loading(tiny_dir: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

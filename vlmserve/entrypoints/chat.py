@@ -122,7 +122,7 @@ class Chat:
         if name in ("/exit", "/quit", "/bye"):
             return False
         if name in ("/image", "/video") and rest:
-            problem = check_local_media(rest)
+            problem = check_local_media(rest, name[1:])
             if problem:
                 print(f"error: {name} {rest}: {problem}", file=sys.stderr)
             else:
@@ -256,9 +256,11 @@ def _draw_boxes(
     return 0
 
 
-def check_local_media(source: str) -> str | None:
+def check_local_media(source: str, modality: str = "image") -> str | None:
     """What is wrong with an image or video given by path (None: nothing, or it is a URL, which
-    is fetched when its turn is asked): checked before the model loads."""
+    is fetched when its turn is asked): checked before the model loads. An image's header is read
+    too: a format vlmserve does not open, or more pixels than it takes, is said now, not after
+    the model has loaded."""
     if source.startswith(("http://", "https://", "data:")):
         return None
     path = Path(source.removeprefix("file://")).expanduser()
@@ -266,4 +268,13 @@ def check_local_media(source: str) -> str | None:
         return "no such file"
     if not path.is_file():
         return "not a file"
+    if modality == "image":
+        from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, open_image
+
+        try:
+            open_image(path.read_bytes(), "the image")
+        except MediaError as e:
+            side = int(DEFAULT_LIMITS.max_image_pixels**0.5)
+            fix = f"; give a smaller picture (up to {side} x {side})" if "limit" in str(e) else ""
+            return str(e).removeprefix("the image: ").replace(" (a server's --max-image-pixels)", "") + fix
     return None

@@ -213,7 +213,7 @@ def _chat(args: argparse.Namespace) -> int:
     args.interactive = question is None
     for flag, sources in (("--image", args.image), ("--video", args.video)):
         for source in sources:
-            problem = chat.check_local_media(source)
+            problem = chat.check_local_media(source, flag.removeprefix("--"))
             if problem:
                 raise UsageError(f"{flag} {source}: {problem}")
     if args.draw_boxes is not None and not args.image and not args.interactive:
