@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig, read_config_json
-from vlmserve.families import NAMES
 from vlmserve.families.qwen2_vl.family import QWEN2_5_VL, QWEN2_VL
 from vlmserve.families.qwen3_5.family import QWEN3_5, QWEN3_5_MOE
 from vlmserve.families.qwen3_vl.family import QWEN3_VL, QWEN3_VL_MOE
 from vlmserve.families.qwen_vl.family import QWEN_VL
 from vlmserve.family import ModelFamily
+from vlmserve.family_names import NAMES
 from vlmserve.grounding import GroundingConvention
 
 FAMILIES: tuple[ModelFamily, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE, QWEN_VL)
@@ -22,7 +22,7 @@ BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 BY_NAME = {f.name: f for f in FAMILIES}
 if {f.name: f.display_name for f in FAMILIES} != NAMES:
-    raise RuntimeError(f"vlmserve.families.NAMES is not the registry's families: {list(BY_NAME)}")
+    raise RuntimeError(f"vlmserve.family_names.NAMES is not the registry's families: {list(BY_NAME)}")
 # Every family's way of writing boxes, by name (families may share one).
 GROUNDING_CONVENTIONS = {f.grounding.name: f.grounding for f in FAMILIES}
 

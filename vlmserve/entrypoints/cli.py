@@ -267,7 +267,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
-    from vlmserve.families import NAMES  # not the registry: a usage error must not wait for torch
+    from vlmserve.family_names import NAMES  # not the registry: a usage error must not wait for torch
 
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write (replaced if it exists)")
     p.add_argument(
