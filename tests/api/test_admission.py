@@ -59,7 +59,7 @@ def stalled_body(server: Server) -> socket.socket:
     """A POST whose headers promise a body that never comes; returns once the server reads it."""
     sock = connect(server)
     head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
         "Expect: 100-continue\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items()) + "\r\n"
     )
     sock.sendall(head.encode())
@@ -103,7 +103,7 @@ def test_stalled_bodies_hold_no_queue_slot_and_are_closed_after_the_read_timeout
 
 @pytest.mark.parametrize(
     "sent",
-    [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"],
+    [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"],
     ids=["nothing", "half_the_headers"],
 )
 def test_silent_and_half_sent_connections_are_closed_by_the_server(guarded: Server, sent: bytes) -> None:
@@ -140,7 +140,10 @@ def test_a_client_still_sending_past_the_limit_reads_the_413_not_a_reset(guarded
     client's next send and it would never read its 413; drained, the 413 comes after the body."""
     sock = connect(guarded)
     try:
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+        head = (
+            f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n"
+        )
         sock.sendall((head + "".join(f"{k}: {v}\r\n" for k, v in guarded.headers.items()) + "\r\n").encode())
         piece = b"x" * 65536
         chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
@@ -236,7 +239,10 @@ def test_a_client_leaving_before_its_answer_logs_one_line_and_no_traceback(guard
     start = len(guarded.log.read_bytes())
     payload = json.dumps({**GREEDY, "max_tokens": 3000, "ignore_eos": True}).encode()
     sock = connect(guarded)
-    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n"
+    )
     sock.sendall((head + "".join(f"{k}: {v}\r\n" for k, v in guarded.headers.items()) + "\r\n").encode() + payload)
     try:
         wait_until(lambda: metric(guarded, "vlmserve_requests_in_flight") == 1, "the request was never served")

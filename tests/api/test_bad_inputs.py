@@ -375,8 +375,11 @@ def test_bad_api_keys_get_401(server: Server, header: str | None) -> None:
     ],
 )
 def test_path_spellings_never_reach_an_inference_route_without_the_key(server: Server, request_line: bytes) -> None:
-    status, _ = raw_http(server, request_line + b"\r\nHost: x/v1/models?\r\nContent-Length: 0\r\n\r\n")
+    status, _ = raw_http(server, request_line + b"\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")
     assert status == 401
+    # A path in the Host header is not this server's name: refused before the key is looked at.
+    status, _ = raw_http(server, request_line + b"\r\nHost: x/v1/models?\r\nContent-Length: 0\r\n\r\n")
+    assert status == 400  # invalid_host (tests/api/test_browser_guard.py)
 
 
 def test_open_routes_expose_no_secret(server: Server) -> None:

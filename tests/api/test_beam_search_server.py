@@ -132,7 +132,7 @@ def test_a_client_leaving_ends_its_search(server: Server) -> None:
     payload = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
-    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {len(payload)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
     sock.sendall((head + "\r\n").encode() + payload)
     try:

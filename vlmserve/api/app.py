@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlmserve.api.browser_guard import cors, host_check, json_only
 from vlmserve.api.prompts import PromptBuilder
 from vlmserve.api.protocol import (
     APIError,
@@ -55,6 +56,8 @@ logger = logging.getLogger("vlmserve.api")
 OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
 # POST paths that run engine requests: admitted (queue limit, draining, engine down) like /v1/.
 ADMITTED_PATHS = ("/invocations",)
+# POST paths that fetch and process media without the engine: the queue limit and draining only.
+QUEUED_PATHS = ("/tokenize",)
 Scope = MutableMapping[str, Any]
 T = TypeVar("T", bound=BaseModel)
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -187,12 +190,13 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await app(scope, receive, send)
         path = route_path(scope)
-        if path in OPEN_PATHS or not (path.startswith("/v1/") or path in ADMITTED_PATHS):
+        engine = path.startswith("/v1/") or path in ADMITTED_PATHS
+        if path in OPEN_PATHS or not (engine or path in QUEUED_PATHS):
             return await app(scope, receive, send)
         if state.draining:
             return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
         reason = state.client.unavailable_reason
-        if reason is not None:
+        if engine and reason is not None:
             return await _send_error(send, APIError(503, reason, code="engine_unavailable"))
         if state.in_flight >= state.max_queue:
             return await _send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
@@ -259,9 +263,12 @@ def build_app(
     max_queue: int = 256,
     read_timeout_s: float = 30.0,
     web_ui: bool = True,
+    allowed_hosts: frozenset[str] | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> tuple[FastAPI, ASGIApp]:
     """The FastAPI app and the ASGI app to serve (the app behind its middleware); `web_ui`: the
-    chat page at / (web_ui.py), open without the API key (the page asks for it)."""
+    chat page at / (web_ui.py), open without the API key (the page asks for it);
+    `allowed_hosts` (None: any) and `allowed_origins` (CORS; none by default): browser_guard.py."""
     app = FastAPI(title="vlmserve", version=__version__, docs_url=None, redoc_url=None)
     prompt_builder = PromptBuilder(ctx)
     chat_serving = ChatServing(ctx)
@@ -439,4 +446,7 @@ def build_app(
     asgi = read_body(asgi, max_body_bytes, read_timeout_s)
     asgi = api_key_auth(asgi, api_key, OPEN_PATHS + WEB_PATHS if web_ui else OPEN_PATHS)
     asgi = body_limit(asgi, max_body_bytes)
+    asgi = json_only(asgi)
+    asgi = cors(asgi, allowed_origins or [])
+    asgi = host_check(asgi, allowed_hosts)
     return app, asgi

@@ -8,6 +8,7 @@ import errno
 import os
 import socket
 
+from vlmserve.api import browser_guard
 from vlmserve.arg_types import (
     add_kernel_flags,
     add_parallel_flags,
@@ -40,8 +41,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("VLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-        "(default: $VLMSERVE_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /ping, /version and the "
+        "chat page's files (default: $VLMSERVE_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="Host names requests may give besides localhost, 127.0.0.1, ::1 and --host (* for any); "
+        "a server bound to every interface checks none unless this is given",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=browser_guard.origins,
+        default=[],
+        metavar="ORIGIN",
+        help="origins a web page may call the API from (CORS; * for any; vLLM's JSON list works too); "
+        "default: none, no CORS headers",
     )
     p.add_argument(
         "--served-model-name",

@@ -35,7 +35,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from vlmserve.api import connections, freed_memory
+from vlmserve.api import browser_guard, connections, freed_memory
 from vlmserve.api.app import build_app
 from vlmserve.api.dp_client import DataParallelClient
 from vlmserve.api.engine_supervisor import EngineDeadError
@@ -146,6 +146,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         max_queue=args.max_queue,
         read_timeout_s=args.read_timeout,
         web_ui=not args.disable_web_ui,
+        allowed_hosts=browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", [])),
+        allowed_origins=[origin for given in getattr(args, "allowed_origins", []) for origin in given],
     )
 
     @contextlib.asynccontextmanager
@@ -252,6 +254,12 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     open_files = connections.raise_open_files_limit()
     sock = sock or bind(args.host, args.port)
     app, asgi, client = build(args)
+    if browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", [])) is None and not args.allowed_hosts:
+        logger.warning(
+            "bound to every interface (--host %s): any Host header is accepted; give --allowed-hosts NAME ... "
+            "(the names clients use) to refuse the others, and --api-key",
+            args.host,
+        )
     asgi = quiet_when_cut_short(asgi, app)
     in_use = connections.open_descriptors()
     max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
