@@ -42,3 +42,44 @@ def test_a_killed_rank_fails_the_stream_and_the_restarted_engine_answers(tiny_di
         assert ok.status_code == 200, ok.text
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_noticed_and_the_ranks_restarted(tiny_dir: Path, tmp_path: Path) -> None:
+    """SIGSTOP on rank 1 mid-stream: rank 0 waits in its collective for ever and the engine's own
+    heartbeat goes on, but rank 1's heartbeat stops; after --engine-stall-timeout the stream gets
+    an error event naming the rank, the ranks (the stopped one too) are killed, the engine is
+    started again and answers."""
+    server = start_server(
+        tiny_dir,
+        tmp_path,
+        "--tensor-parallel-size",
+        "2",
+        "--engine-stall-timeout",
+        "8",
+        "--engine-heartbeat-timeout",
+        "4",
+        "--log-level",
+        "info",
+    )
+    try:
+        engine = server.engine_pid()
+        ranks = rank_pids(engine)
+        reader = StreamReader(server, {"messages": [{"role": "user", "content": "x"}], **LONG, "logprobs": True})
+        reader.start()
+        wait_until(lambda: reader.tokens() >= 3 or not reader.is_alive(), lambda: f"{reader.tokens()} tokens came")
+        assert reader.tokens() >= 3, f"the stream ended early: {reader.error!r} {reader.events[-1:]}"
+        os.kill(ranks[1], signal.SIGSTOP)
+        reader.join(60)
+        assert not reader.is_alive(), "the stream hung behind a stopped rank"
+        error = reader.events[-1]["error"]
+        assert error["type"] == "service_unavailable", error
+        wait_until(lambda: not any(alive(pid) for pid in [engine, *ranks]), lambda: "the stopped rank lives on")
+        server.wait_healthy(120)
+        assert server.engine_pid() != engine and len(rank_pids(server.engine_pid())) == 2
+        ok = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+        log = server.log.read_text()
+        assert "tensor-parallel rank 1 has not been heard from" in log, log[-3000:]
+    finally:
+        server.stop()

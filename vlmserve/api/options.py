@@ -244,7 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds without a heartbeat after which the engine process is killed and restarted (counts toward "
         "--max-engine-restarts); its requests in flight get 503 naming the stall (at least "
-        "--engine-heartbeat-timeout)",
+        "--engine-heartbeat-timeout); a tensor-parallel rank silent this long (stopped or hung) fails its step "
+        "and the ranks are restarted the same way",
     )
     p.add_argument(
         "--generation-config",

@@ -93,6 +93,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         **parallel_options(args),
+        rank_stall_timeout_s=args.engine_stall_timeout,
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
         media_limits=MediaLimits(
             max_bytes=args.max_media_bytes,

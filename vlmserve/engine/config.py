@@ -60,6 +60,10 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # A local rank not heard from (its heartbeat thread beats every RANK_BEAT_S) for this long is
+    # stopped or hung: its step fails and the ranks are stopped, as when one dies. The server sets
+    # it to --engine-stall-timeout.
+    rank_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

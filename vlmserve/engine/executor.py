@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import time
 import weakref
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -26,7 +27,15 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.step_isolation import execute_or_isolate
-from vlmserve.engine.worker import RankSpec, Worker, spawn_ranks, stop_ranks, worker_setup_json
+from vlmserve.engine.worker import (
+    RANK_BEAT_S,
+    RankSpec,
+    Worker,
+    new_beats,
+    spawn_ranks,
+    stop_ranks,
+    worker_setup_json,
+)
 from vlmserve.ipc import serial
 from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.ipc.worker_messages import (
@@ -174,7 +183,9 @@ class MultiprocExecutor:
                 config.master_addr,
                 port,
             )
-        self.processes = spawn_ranks(specs, rank0_end)
+        self._beats = new_beats(local)
+        self._stall_s = config.rank_stall_timeout_s
+        self.processes = spawn_ranks(specs, rank0_end, self._beats)
         rank0_end.close()  # rank 0 holds it now: its death closes the pipe
         # Stopped with the engine, or when this object goes (an LLM dropped without shutdown).
         self._finalizer = weakref.finalize(self, _stop, self._conn, self.processes, True)
@@ -189,10 +200,22 @@ class MultiprocExecutor:
         return self._wait_reply(what)
 
     def _wait_reply(self, what: str) -> Reply:
-        """Rank 0's reply, watching every local rank's process while waiting."""
+        """Rank 0's reply, watching every local rank's process while waiting: a death, or a
+        heartbeat older than the stall timeout (a stopped or hung rank blocks the others in their
+        collective for ever, and rank 0's own threads would go on)."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while True:
-            ready = multiprocessing.connection.wait([self._conn, *sentinels])
+            ready = multiprocessing.connection.wait([self._conn, *sentinels], timeout=RANK_BEAT_S)
+            if not ready:
+                now = time.monotonic()
+                silent = [(now - beat, rank) for rank, beat in enumerate(self._beats) if now - beat > self._stall_s]
+                if silent:
+                    seconds, rank = max(silent)
+                    self._fail(
+                        f"tensor-parallel rank {rank} has not been heard from for {seconds:.0f} s (stopped or hung) "
+                        f"while {what}"
+                    )
+                continue
             if self._conn in ready:
                 try:
                     reply: Reply = reply_decoder.decode(self._conn.recv_bytes())

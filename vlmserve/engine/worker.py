@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -56,6 +57,8 @@ logger = logging.getLogger(__name__)
 # short of that (a dead peer is seen by the engine core's process watch, or by gloo's closed
 # connection, at once).
 COLLECTIVE_TIMEOUT_S = 30 * 24 * 3600.0
+# How often a rank's heartbeat thread says it is alive (new_beats, MultiprocExecutor._wait_reply).
+RANK_BEAT_S = 0.5
 
 # -- one rank --------------------------------------------------------------------------------------
 
@@ -191,11 +194,34 @@ def rank_device(device_type: str, local_rank: int, first_device: int = 0) -> tor
     return torch.device("cuda", first_device + local_rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None) -> NoReturn:
+def new_beats(count: int) -> Any:
+    """The shared heartbeat slots of `count` local ranks, each set to now (a rank still starting
+    has not been silent)."""
+    beats = multiprocessing.get_context("spawn").Array("d", count, lock=False)
+    beats[:] = [time.monotonic()] * count
+    return beats
+
+
+def _beat(beats: Any, local_rank: int) -> None:
+    """Write this rank's heartbeat from a thread of its own: only a process that is stopped (or
+    a call holding the GIL throughout) silences it, not a long step or a collective's wait.
+    CLOCK_MONOTONIC is the machine's, so the engine compares it with its own."""
+
+    def beat() -> None:
+        while True:
+            beats[local_rank] = time.monotonic()
+            time.sleep(RANK_BEAT_S)
+
+    threading.Thread(target=beat, name="rank-heartbeat", daemon=True).start()
+
+
+def worker_main(spec: RankSpec, conn: multiprocessing.connection.Connection | None, beats: Any = None) -> NoReturn:
     """A rank's process: join the group, build the model, then serve calls until Shutdown.
     Rank 0 reads them from `conn` (the engine core's end of the pipe) and answers there."""
     if spec.parent_pid:
         _watch_parent(spec.parent_pid)
+    if beats is not None:
+        _beat(beats, spec.local_rank)
     logging.basicConfig(
         level=os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper(),
         format=f"[rank {spec.rank}] " + LOG_FORMAT,
@@ -250,15 +276,17 @@ def _serve(worker: Worker, conn: multiprocessing.connection.Connection | None) -
 
 
 def spawn_ranks(
-    specs: list[RankSpec], rank0_conn: multiprocessing.connection.Connection | None
+    specs: list[RankSpec], rank0_conn: multiprocessing.connection.Connection | None, beats: Any = None
 ) -> list[multiprocessing.process.BaseProcess]:
-    """Start one process per rank (spawn: a fresh interpreter, no state forked from this one)."""
+    """Start one process per rank (spawn: a fresh interpreter, no state forked from this one).
+    `beats`: a shared array of doubles, one per local rank, where each rank's heartbeat thread
+    writes time.monotonic() every RANK_BEAT_S (new_beats makes it)."""
     context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
     for spec in specs:
         process = context.Process(
             target=worker_main,
-            args=(spec, rank0_conn if spec.rank == 0 else None),
+            args=(spec, rank0_conn if spec.rank == 0 else None, beats),
             name=f"vlmserve-rank-{spec.rank}",
             daemon=True,
         )
