@@ -163,3 +163,26 @@ def test_a_tool_round_trip_renders_as_transformers_renders_it(
     ids = reference.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in ids
     assert tokenized["tokens"] == reference(ids, add_special_tokens=False)["input_ids"]
+
+
+# -- deep nesting: in the history, and in the answer ----------------------------------------------
+
+
+def test_history_arguments_nested_too_deeply_get_400_naming_them(tool_server: Server) -> None:
+    """A client sends a history whose tool call arguments (JSON text) nest 5,000 levels: the
+    json module would recurse past the interpreter's limit (a 500). It is a 400 naming them."""
+    engine = tool_server.engine_pid()
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 5000 + "]" * 5000}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "c", "content": "sunny"})
+    for path, body in (
+        ("/v1/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 2, "stream": True}),
+        ("/tokenize", {"messages": history, "tools": [WEATHER]}),
+    ):
+        response = tool_server.post(path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["message"].startswith("messages[1].tool_calls[0].function.arguments is nested more than")
+        assert error["param"] == "messages"
+    assert tool_server.health() == 200 and tool_server.engine_pid() == engine
