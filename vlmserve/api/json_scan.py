@@ -1,12 +1,15 @@
 """Where the values of a JSON object begin and end in text that may still be arriving: what the
 streaming tool-call parsers need to tell a function's name and its arguments apart before the
-model has finished writing them. Complete values are checked with the json module; this only
+model has finished writing them. Complete values are checked with the json module (within the
+bounds of json_limits); this only
 walks the structure (strings with their escapes, nesting depth)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
+from vlmserve.api.json_limits import loads_bounded
 
 _WS = " \t\n\r"
 
@@ -83,7 +86,7 @@ class ObjectScan:
         start, end = self.members[key]
         if end is None:
             raise KeyError(key)
-        return json.loads(text[start:end])
+        return loads_bounded(text[start:end])
 
 
 def scan_object(text: str, i: int) -> ObjectScan:

@@ -19,11 +19,11 @@ re-serialised, so that what is streamed is exactly what the whole answer gives).
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from vlmserve.api.json_limits import MAX_JSON_DEPTH, loads_bounded
 from vlmserve.api.json_scan import Malformed, ValueEnd, scan_object, scan_value, skip_ws
 
 
@@ -73,9 +73,10 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def _call_from_object(text: str, name_key: str, args_key: str) -> ToolCall:
+def _call_from_object(text: str, name_key: str, args_key: str, max_depth: int = MAX_JSON_DEPTH) -> ToolCall:
     """A complete JSON object {name_key: str, args_key: value} (nothing else around it but
-    whitespace) as a call; ValueError when it is not one."""
+    whitespace) as a call; ValueError when it is not one, or is past the bounds of JSON
+    (json_limits: nested deeper than `max_depth`, or too long)."""
     i = skip_ws(text, 0)
     try:
         scan = scan_object(text, i)
@@ -83,7 +84,7 @@ def _call_from_object(text: str, name_key: str, args_key: str) -> ToolCall:
         raise ValueError("not a JSON object") from None
     if scan.end is None or skip_ws(text, scan.end) != len(text):
         raise ValueError("not one complete JSON object")
-    json.loads(text)  # numbers, literals and escapes checked by the json module
+    loads_bounded(text, max_depth)  # numbers, literals and escapes checked by the json module
     name = scan.value(text, name_key) if name_key in scan.members else None
     if not isinstance(name, str) or args_key not in scan.members:
         raise ValueError(f"a call needs a string {name_key!r} and {args_key!r}")
@@ -269,7 +270,7 @@ class RequiredToolParser:
 
     def parse(self, text: str) -> ParsedOutput:
         try:
-            items = json.loads(text)
+            items = loads_bounded(text)
         except ValueError:
             return ParsedOutput(text, [])
         if not isinstance(items, list):
@@ -340,7 +341,9 @@ class RequiredToolStream:
                 events += self.call.progress(element)
                 return events
             try:
-                events += self.call.complete(_call_from_object(element[: scan.end], "name", "parameters"))
+                # The array is one level: an element nests one level less than the answer.
+                call = _call_from_object(element[: scan.end], "name", "parameters", MAX_JSON_DEPTH - 1)
+                events += self.call.complete(call)
             except ValueError:
                 self.done = True
                 return events
