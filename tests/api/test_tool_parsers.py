@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from collections.abc import Callable
+from types import FrameType
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,3 +219,63 @@ def test_streams_cut_anywhere_give_the_whole_answer() -> None:
             assert replay(parser, text, list(range(len(text)))) == whole, text  # a character at a time
             for cut in range(len(text) + 1):
                 assert replay(parser, text, [cut]) == whole, (text, cut)
+
+
+def lines_run(work: Callable[[], object]) -> int:
+    """How many lines of vlmserve's API code `work` runs (the parsers are pure Python around a
+    few C searches over each delta: the lines they run grow as the work does)."""
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
+        nonlocal count
+        if "vlmserve/api/" not in frame.f_code.co_filename:
+            return None
+        if event == "line":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def fed_by_character(parser, text: str) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+    def work() -> None:
+        stream = parser.stream()
+        for ch in text:
+            stream.feed(ch)
+        stream.finish()
+
+    return work
+
+
+# Streams whose call has no complete name yet (or never will): each used to rescan the open block
+# from its start on every delta. Each shape is given its length in characters.
+GROWING = [
+    (HermesToolParser(), lambda n: '<tool_call>{"name": "' + "a" * n),
+    (HermesToolParser(), lambda n: "<tool_call>" + '{"a":' * (n // 5)),
+    (HermesToolParser(), lambda n: "<tool_call>{" + '"a": [1], ' * (n // 10)),
+    (HermesToolParser(), lambda n: '<tool_call>{"arguments": "' + "x" * n),
+    (HermesToolParser(), lambda n: '<tool_call>{"' + "k" * n),
+    (HermesToolParser(), lambda n: "<tool_call>" + " " * n),
+    (HermesToolParser(), lambda n: '<tool_call>{"name": "f", "arguments": {"q": "' + "x" * n),
+    (HermesToolParser(), lambda n: '<tool_call>{"name": "f", "arguments": {}}</tool_call>' + " " * n),
+    (HermesToolParser(), lambda n: "x" * n),
+    (RequiredToolParser(), lambda n: '[{"parameters": {}, "name": "' + "a" * n),
+    (RequiredToolParser(), lambda n: "[{" + '"a": 1, ' * (n // 8)),
+    (RequiredToolParser(), lambda n: " " * n),
+    (RequiredToolParser(), lambda n: '[{"name": "f", "parameters": {"q": "' + "x" * n),
+]
+
+
+@pytest.mark.parametrize(("parser", "shape"), GROWING)
+def test_a_stream_costs_what_its_text_costs(parser, shape) -> None:  # type: ignore[no-untyped-def]
+    """Four times the text, fed a character at a time, is about four times the work (quadratic
+    would be sixteen)."""
+    small = lines_run(fed_by_character(parser, shape(400)))
+    large = lines_run(fed_by_character(parser, shape(1600)))
+    assert large < 5 * small, (small, large)
