@@ -23,6 +23,7 @@ from PIL import Image, ImageOps
 from tests.api.conftest import API_KEY, Server, data_url, image_message, picture, segments_left
 from tests.entrypoints.test_llm import PAD, chat_prompt
 from tests.reference import hf_greedy, hf_logits, hf_prompt_ids
+from vlmserve.api.json_limits import MAX_JSON_DEPTH
 
 LEAKS = re.compile(r"Traceback|File \"|/work/|/tmp/|/home/|0x[0-9a-f]{6,}|site-packages|\bline \d+")
 
@@ -301,6 +302,45 @@ def test_malformed_bodies_name_the_parameter(server: Server, body: bytes, param:
     error = check_error(server, response, 400, match)
     if param is not None:
         assert error["param"] == param
+
+
+# Each route's body, with a field "x" (a field no schema defines is ignored) holding `nest`.
+NESTED_BODIES = {
+    "/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "x": %s}',
+    "/v1/completions": '{"prompt": "hi", "max_tokens": 1, "x": %s}',
+    "/invocations": '{"prompt": "hi", "max_tokens": 1, "x": %s}',
+    "/tokenize": '{"prompt": "hi", "x": %s}',
+}
+
+
+@pytest.mark.parametrize("path", list(NESTED_BODIES))
+def test_bodies_nested_past_the_bound_get_400_before_parsing(server: Server, path: str) -> None:
+    """json_limits: a body nests at most MAX_JSON_DEPTH levels (the body's own object is one),
+    whatever the interpreter's recursion limit; past it, a 400 before anything parses it."""
+    engine = server.engine_pid()
+    for n in (MAX_JSON_DEPTH, 5_000, 100_000):
+        body = (NESTED_BODIES[path] % ("[" * n + "]" * n)).encode()
+        response = server.post(path, content=body, headers={"content-type": "application/json"})
+        check_error(server, response, 400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+    fits = (NESTED_BODIES[path] % ("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))).encode()
+    response = server.post(path, content=fits, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert server.engine_pid() == engine
+
+
+def test_a_schema_sent_as_json_text_is_held_to_the_bound(server: Server) -> None:
+    """A JSON schema given as text (guided_json, structured_outputs.json) is parsed by the engine
+    and its compiler: nested past MAX_JSON_DEPTH it is a 400 naming the field."""
+    engine = server.engine_pid()
+    n = MAX_JSON_DEPTH  # with the {} at its core: one level more than the bound
+    deep = '{"type": "array", "items": ' * n + "{}" + "}" * n
+    for field, value in (("guided_json", deep), ("structured_outputs", {"json": deep})):
+        response = chat(server, [{"role": "user", "content": "hi"}], **{field: value})
+        error = check_error(server, response, 400, f"nested more than {MAX_JSON_DEPTH} levels deep")
+        assert error["param"] == field
+    fits = '{"type": "array", "items": ' * (n - 1) + "{}" + "}" * (n - 1)
+    assert chat(server, [{"role": "user", "content": "hi"}], guided_json=fits).status_code == 200
+    assert server.engine_pid() == engine
 
 
 def test_body_over_the_limit_is_413_before_parsing(server: Server) -> None:

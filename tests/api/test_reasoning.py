@@ -52,3 +52,15 @@ def test_stream_holds_back_only_a_possible_tag() -> None:
     assert stream.feed("nk>so") == ("so", "")
     assert stream.feed(" </th") == (" ", "")
     assert stream.feed("ink>ok") == ("", "ok")
+
+
+def test_a_stream_keeps_only_the_text_it_holds_back() -> None:
+    """Each delta costs its own length: what the stream keeps between deltas is the possible
+    tag it holds back, not the answer so far."""
+    stream = ThinkReasoningParser().stream()
+    reasoning = ""
+    for ch in "  <think>" + "x" * 500 + "</think>" + "y" * 500:
+        got, _ = stream.feed(ch)
+        reasoning += got
+        assert len(stream.text) < len(ThinkReasoningParser.END)
+    assert reasoning == "x" * 500

@@ -8,9 +8,11 @@ read back."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import transformers
@@ -163,3 +165,68 @@ def test_a_tool_round_trip_renders_as_transformers_renders_it(
     ids = reference.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in ids
     assert tokenized["tokens"] == reference(ids, add_special_tokens=False)["input_ids"]
+
+
+# -- deep nesting: in the history, and in the answer ----------------------------------------------
+
+
+def test_history_arguments_nested_too_deeply_get_400_naming_them(tool_server: Server) -> None:
+    """A client sends a history whose tool call arguments (JSON text) nest 5,000 levels: the
+    json module would recurse past the interpreter's limit (a 500). It is a 400 naming them."""
+    engine = tool_server.engine_pid()
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 5000 + "]" * 5000}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "c", "content": "sunny"})
+    for path, body in (
+        ("/v1/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": history, "tools": [WEATHER], "max_tokens": 2, "stream": True}),
+        ("/tokenize", {"messages": history, "tools": [WEATHER]}),
+    ):
+        response = tool_server.post(path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["message"].startswith("messages[1].tool_calls[0].function.arguments is nested more than")
+        assert error["param"] == "messages"
+    assert tool_server.health() == 200 and tool_server.engine_pid() == engine
+
+
+# `[[` and `]]` are single tokens of the Qwen vocabulary: favoured, the model writes the nesting
+# in half as many tokens.
+BRACKET_PAIRS = {"15505": 100, "5053": 100}
+
+
+def test_a_call_nested_too_deeply_in_the_answer_is_content_streamed_and_not(tool_server: Server) -> None:
+    """A regex makes the model write a call whose name nests 1,000 levels (past the json module's
+    recursion): whole, it was a 500; streamed, a stream cut without an error or [DONE]. Now the
+    block is not a call: the answer is its plain content, both ways, and the stream ends."""
+    engine = tool_server.engine_pid()
+    n = 1000
+    answer = '<tool_call>{"name": ' + "[" * n + "]" * n + ', "arguments": {}}</tool_call>'
+    body = {
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "structured_outputs": {"regex": r"ok</think>" + re.escape(answer)},
+        "logit_bias": BRACKET_PAIRS,
+        "temperature": 0,
+        "max_tokens": 2 * n,
+    }
+    response = tool_server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert choice["message"]["content"] == answer and choice["message"].get("tool_calls") is None
+    assert choice["finish_reason"] == "stop"
+    with httpx.stream(
+        "POST",
+        tool_server.url + "/v1/chat/completions",
+        json=body | {"stream": True},
+        headers=tool_server.headers,
+        timeout=120,
+    ) as stream:
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == answer
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert tool_server.health() == 200 and tool_server.engine_pid() == engine

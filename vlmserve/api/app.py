@@ -11,7 +11,8 @@ layers in front of the app, outermost first:
   - API key: every path but /health and /metrics needs `Authorization: Bearer <key>`, given once
     (compared in constant time), so no spelling of a path reaches an inference route without it;
   - body: read whole before anything else, under a deadline (408 past it) and the size cap (413
-    for a streamed body over it), the connection closed after either;
+    for a streamed body over it), the connection closed after either; a body nested deeper than
+    json_limits.MAX_JSON_DEPTH is a 400 before anything parses it;
   - admission, once the body is in: 503 while draining (SIGTERM) or while the engine is down or not
     responding (the message says which), 429 past the queue limit. A client that sends headers and
     then nothing holds no place in the queue.
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.api.browser_guard import cors, host_check, json_only
+from vlmserve.api.json_limits import JSONLimitError, check_json_limits, loads_bounded
 from vlmserve.api.prompts import PromptBuilder
 from vlmserve.api.protocol import (
     APIError,
@@ -109,7 +111,8 @@ def read_body(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
     """Reads a request's whole body before the app sees the request, then replays it.
 
     A body slower than `timeout_s` in all gets 408, one over `max_bytes` (chunked, so not declared)
-    413; both close the connection. A client gone meanwhile gets nothing."""
+    413; both close the connection. A client gone meanwhile gets nothing. A body nested deeper
+    than MAX_JSON_DEPTH gets 400 before anything parses it."""
 
     async def middleware(
         scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
@@ -150,7 +153,12 @@ def read_body(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
                 kind="invalid_request_error",
             )
             return await _send_error(send, error, close=True)
-        body: bytes | None = b"".join(chunks)
+        whole = b"".join(chunks)
+        try:  # every route reads its body as JSON: none may nest past the bound (json_limits)
+            check_json_limits(whole, max_chars=None)
+        except JSONLimitError as e:
+            return await _send_error(send, APIError(400, f"the request body {e}"))
+        body: bytes | None = whole
 
         async def replay() -> Any:
             nonlocal body
@@ -395,7 +403,7 @@ def build_app(
         """SageMaker's one inference route, as vLLM serves it: `messages` makes a chat request,
         `prompt` a completions one."""
         try:
-            raw = json.loads(await request.body())
+            raw = loads_bounded(await request.body(), max_chars=None)  # the body cap bounds its size
         except ValueError:
             raise APIError(400, "the request body is not valid JSON") from None
         if isinstance(raw, dict) and "messages" in raw:

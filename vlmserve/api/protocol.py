@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from vlmserve.api.beam_search import MAX_BEAM_WIDTH
+from vlmserve.api.json_limits import JSONLimitError, check_json_limits
 from vlmserve.api.tool_calling import (
     MAX_TOOLS,
     ChatTool,
@@ -422,6 +423,11 @@ class _SamplingFields(BaseModel):
             problem = "is nested too deeply or holds a number JSON cannot write"
         if problem:
             raise APIError(400, f"{name} {problem}", name)
+        if isinstance(fields.get("json"), str):  # a schema sent as JSON text: the engine parses it
+            try:
+                check_json_limits(fields["json"])
+            except JSONLimitError as e:
+                raise APIError(400, f"{name} {e}", name) from None
         try:
             return StructuredOutputsParams(**fields)
         except ValueError as e:

@@ -51,12 +51,13 @@ class ThinkReasoningParser:
 class ThinkReasoningStream:
     """ThinkReasoningParser fed text deltas: each feed gives (reasoning delta, content delta).
     Text that may be the start of `<think>` (at the very start) or of `</think>` is held back
-    until the next delta says."""
+    until the next delta says. Only that held text is kept: the work per delta is proportional
+    to the delta."""
 
     def __init__(self, parser: ThinkReasoningParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.pos = 0
+        self.text = ""  # held back: at most whitespace and a tag's length
+        self.lead: list[str] = []  # the answer's leading whitespace, held while a `<think>` may follow
         self.phase = "lead" if parser.thinking_enabled else "content"
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -71,17 +72,23 @@ class ThinkReasoningStream:
         reasoning = ""
         if self.phase == "lead":
             lead = self.text.lstrip()
+            if not lead and not final:  # whitespace so far: a `<think>` may still follow
+                self.lead.append(self.text)
+                self.text = ""
+                return "", ""
             if lead.startswith(start):
-                self.pos = len(self.text) - len(lead) + len(start)
+                self.text, self.lead = lead[len(start) :], []
             elif start.startswith(lead) and not final:
                 return "", ""
+            self.text = "".join(self.lead) + self.text
+            self.lead = []
             self.phase = "reasoning"
         if self.phase == "reasoning":
-            e = self.text.find(end, self.pos)
+            e = self.text.find(end)
             if e < 0:
-                stop = len(self.text) if final else len(self.text) - held_prefix(self.text[self.pos :], end)
-                reasoning, self.pos = self.text[self.pos : stop], stop
+                stop = len(self.text) if final else len(self.text) - held_prefix(self.text, end)
+                reasoning, self.text = self.text[:stop], self.text[stop:]
                 return reasoning, ""
-            reasoning, self.pos, self.phase = self.text[self.pos : e], e + len(end), "content"
-        content, self.pos = self.text[self.pos :], len(self.text)
+            reasoning, self.text, self.phase = self.text[:e], self.text[e + len(end) :], "content"
+        content, self.text = self.text, ""
         return reasoning, content

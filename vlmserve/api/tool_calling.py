@@ -15,11 +15,11 @@ tool_choice:
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool
 
+from vlmserve.api.json_limits import JSONLimitError, loads_bounded
 from vlmserve.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
 
 MAX_TOOLS = 128
@@ -126,7 +126,8 @@ def tool_parser(
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as the chat templates read it: an assistant message's tool call arguments,
     which OpenAI's clients send as JSON text, as the object they write (as vLLM does; the Qwen
-    templates write them with `tojson`). ValueError naming the message when they are not JSON."""
+    templates write them with `tojson`). ValueError naming the message when they are not JSON, or
+    are JSON past the bounds of json_limits (the template would recurse through them too)."""
     out = []
     for mi, message in enumerate(messages):
         calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -142,10 +143,13 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise ValueError(f"messages[{mi}].tool_calls[{ci}] needs a function with a name")
             arguments = function.get("arguments")
             if isinstance(arguments, str):
+                where = f"messages[{mi}].tool_calls[{ci}].function.arguments"
                 try:
-                    arguments = json.loads(arguments) if arguments.strip() else {}
+                    arguments = loads_bounded(arguments) if arguments.strip() else {}
+                except JSONLimitError as e:
+                    raise ValueError(f"{where} {e}") from None
                 except ValueError:
-                    raise ValueError(f"messages[{mi}].tool_calls[{ci}].function.arguments is not valid JSON") from None
+                    raise ValueError(f"{where} is not valid JSON") from None
             fixed.append(call | {"function": function | {"arguments": arguments}})
         out.append(message | {"tool_calls": fixed})
     return out

@@ -11,7 +11,10 @@ Three shapes of answer, one parser each:
 Each parser gives the whole answer's content and calls (`parse`), and a stream (`stream()`) that
 is fed the answer's text deltas and gives content deltas and tool-call deltas: a call's name in its
 first delta, then its arguments as string fragments. Fed any split of a valid answer, the stream
-gives what `parse` gives (the fragments of a call's arguments join to its `arguments`).
+gives what `parse` gives (the fragments of a call's arguments join to its `arguments`). A stream's
+work per delta is proportional to the delta (it runs on the event loop): it keeps only the text
+it holds back, reads each character of a call once as it arrives, and parses a call whole once,
+when it ends. A call nested past json_limits' bound is not a call.
 
 `arguments` is the JSON text of the arguments as the model wrote it (valid JSON, checked; not
 re-serialised, so that what is streamed is exactly what the whole answer gives).
@@ -24,7 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from vlmserve.api.json_scan import Malformed, ValueEnd, scan_object, scan_value, skip_ws
+from vlmserve.api.json_limits import MAX_JSON_DEPTH, loads_bounded
+from vlmserve.api.json_scan import Malformed, ObjectStream, scan_object, scan_value, skip_ws
 
 
 @dataclass(frozen=True)
@@ -64,18 +68,19 @@ class ToolStream(Protocol):
     def finish(self) -> list[StreamEvent]: ...
 
 
-def held_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag` (held back until
-    the next delta says whether they are)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def held_prefix(text: str, tag: str, start: int = 0) -> int:
+    """How many characters at the end of `text[start:]` could be the start of `tag` (held back
+    until the next delta says whether they are)."""
+    for n in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if text.endswith(tag[:n]):
             return n
     return 0
 
 
-def _call_from_object(text: str, name_key: str, args_key: str) -> ToolCall:
+def _call_from_object(text: str, name_key: str, args_key: str, max_depth: int = MAX_JSON_DEPTH) -> ToolCall:
     """A complete JSON object {name_key: str, args_key: value} (nothing else around it but
-    whitespace) as a call; ValueError when it is not one."""
+    whitespace) as a call; ValueError when it is not one, or is past the bounds of JSON
+    (json_limits: nested deeper than `max_depth`, or too long)."""
     i = skip_ws(text, 0)
     try:
         scan = scan_object(text, i)
@@ -83,7 +88,7 @@ def _call_from_object(text: str, name_key: str, args_key: str) -> ToolCall:
         raise ValueError("not a JSON object") from None
     if scan.end is None or skip_ws(text, scan.end) != len(text):
         raise ValueError("not one complete JSON object")
-    json.loads(text)  # numbers, literals and escapes checked by the json module
+    loads_bounded(text, max_depth)  # numbers, literals and escapes checked by the json module
     name = scan.value(text, name_key) if name_key in scan.members else None
     if not isinstance(name, str) or args_key not in scan.members:
         raise ValueError(f"a call needs a string {name_key!r} and {args_key!r}")
@@ -92,50 +97,59 @@ def _call_from_object(text: str, name_key: str, args_key: str) -> ToolCall:
 
 
 class _CallProgress:
-    """One call being streamed from a JSON object: its name once complete, then its arguments'
-    text as far as it goes. Once the arguments have begun, only the new text is scanned."""
+    """One call being streamed from a JSON object fed in pieces: its name once complete, then its
+    arguments' text as it arrives (held until the name is known, when they come first). Each
+    piece is read once (ObjectStream)."""
 
-    def __init__(self, index: int, name_key: str, args_key: str) -> None:
+    def __init__(self, index: int, name_key: str, args_key: str, max_depth: int = MAX_JSON_DEPTH) -> None:
         self.index = index
         self.name_key, self.args_key = name_key, args_key
+        self.object = ObjectStream((name_key, args_key), max_depth - 1)
+        self.name_parts: list[str] = []
         self.name_sent = False
+        self.args_parts: list[str] = []  # the arguments so far, while the name is not sent
+        self.held_args_done = False
+        self.args_done = False  # the arguments have been sent whole
         self.args_sent = 0
-        self.args: ValueEnd | None = None
 
-    def progress(self, text: str) -> list[StreamEvent]:
-        """`text`: the call's object so far (leading whitespace allowed), a prefix of its final text."""
+    def feed(self, text: str, start: int = 0) -> tuple[list[StreamEvent], int | None]:
+        """The events for the next piece of the call's object, text[start:] (leading whitespace
+        allowed), and where in `text` the object closed (None: still open)."""
+        pieces, end = self.object.feed(text, start)
         events: list[StreamEvent] = []
-        if self.args is None:
-            try:
-                scan = scan_object(text, skip_ws(text, 0))
-            except Malformed:
-                return events
-            if not self.name_sent:
-                try:
-                    name = scan.value(text, self.name_key)
-                except (KeyError, ValueError):
-                    return events
-                if not isinstance(name, str):
-                    return events
-                self.name_sent = True
-                events.append(ToolCallDelta(self.index, name, ""))
-            if self.args_key not in scan.members:
-                return events
-            self.args = ValueEnd(text, scan.members[self.args_key][0])
-        try:
-            end = self.args.advance(text)
-        except Malformed:
-            return events
-        # An open value's text so far is all part of it.
-        fragment = text[self.args.start + self.args_sent : len(text) if end is None else end]
-        if fragment:
-            self.args_sent += len(fragment)
-            events.append(ToolCallDelta(self.index, None, fragment))
-        return events
+        args = ""
+        for piece in pieces:
+            if piece.key == self.name_key and not self.name_sent:
+                if piece.first:
+                    self.name_parts = []
+                self.name_parts.append(piece.text)
+                name = self._name("".join(self.name_parts)) if piece.last else None
+                if name is not None:
+                    self.name_sent = True
+                    events.append(ToolCallDelta(self.index, name, ""))
+                    args, self.args_done = "".join(self.args_parts), self.held_args_done
+            elif piece.key == self.args_key and not self.args_done:
+                if self.name_sent:
+                    args += piece.text
+                    self.args_done = piece.last
+                else:  # held; a later arguments member replaces it (as json.loads reads it)
+                    if piece.first:
+                        self.args_parts = []
+                    self.args_parts.append(piece.text)
+                    self.held_args_done = piece.last
+        if args:
+            self.args_sent += len(args)
+            events.append(ToolCallDelta(self.index, None, args))
+        return events, end
 
-    @property
-    def args_open(self) -> bool:
-        return self.args is not None and self.args.end is None
+    def _name(self, text: str) -> str | None:
+        if not text.startswith('"'):
+            return None
+        try:
+            name = json.loads(text)
+        except ValueError:
+            return None
+        return name if isinstance(name, str) else None
 
     def complete(self, call: ToolCall) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -194,25 +208,28 @@ def _with_content(before: str, after: str, calls: list[ToolCall]) -> ParsedOutpu
 class HermesToolStream:
     """HermesToolParser fed text deltas. Text outside blocks streams as content (a possible start
     of `<tool_call>` held back until the next delta), except that whitespace after a call is held
-    until text follows it (the whole answer drops trailing whitespace)."""
+    until text follows it (the whole answer drops trailing whitespace).
+
+    NOTE: the work per delta is proportional to the delta: only the text not yet consumed is
+    kept (at most a tag's length held back, plus the delta), a block's object is read piece by
+    piece as it arrives (ObjectStream), and a block is parsed whole once, when it closes."""
 
     def __init__(self, parser: HermesToolParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.pos = 0  # what is consumed of self.text
+        self.pending = ""  # text not yet consumed
         self.call: _CallProgress | None = None  # the open block's call
+        self.block: list[str] = []  # the open block's text so far
         self.calls = 0
-        self.held_space = ""  # whitespace after a call, not yet sent
+        self.held_space: list[str] = []  # whitespace after a call, not yet sent
         self.failed = False
-        self.searched = 0  # the open block holds no end tag before this
 
     def feed(self, delta: str) -> list[StreamEvent]:
-        self.text += delta
+        self.pending += delta
         return self._advance(final=False)
 
     def finish(self) -> list[StreamEvent]:
         events = self._advance(final=True)
-        self.held_space = ""
+        self.held_space = []
         return events
 
     def _content(self, text: str) -> list[StreamEvent]:
@@ -220,33 +237,38 @@ class HermesToolStream:
             return [ContentDelta(text)] if text else []
         body = text.rstrip()
         if not body:
-            self.held_space += text
+            self.held_space.append(text)
             return []
-        body, self.held_space = self.held_space + body, text[len(body) :]
-        return [ContentDelta(body)]
+        held = "".join(self.held_space)
+        self.held_space = [text[len(body) :]]
+        return [ContentDelta(held + body)]
 
     def _advance(self, final: bool) -> list[StreamEvent]:
         start_tag, end_tag = self.parser.START, self.parser.END
+        text, i = self.pending, 0
         events: list[StreamEvent] = []
         while True:
             if self.call is None:
-                k = -1 if self.failed else self.text.find(start_tag, self.pos)
+                k = -1 if self.failed else text.find(start_tag, i)
                 if k < 0:
-                    end = len(self.text) if final else len(self.text) - held_prefix(self.text[self.pos :], start_tag)
-                    events += self._content(self.text[self.pos : end])
-                    self.pos = end
+                    end = len(text) if final else len(text) - held_prefix(text, start_tag, i)
+                    events += self._content(text[i:end])
+                    self.pending = text[end:]
                     return events
-                events += self._content(self.text[self.pos : k])
-                self.pos = k + len(start_tag)
-                self.call = _CallProgress(self.calls, "name", "arguments")
+                events += self._content(text[i:k])
+                i = k + len(start_tag)
+                self.call, self.block = _CallProgress(self.calls, "name", "arguments"), []
                 continue
-            e = self.text.find(end_tag, max(self.pos, self.searched))
+            e = text.find(end_tag, i)
             if e < 0 and not final:
-                self.searched = max(self.pos, len(self.text) - len(end_tag) + 1)
-                visible = self.text[self.pos : len(self.text) - held_prefix(self.text[self.pos :], end_tag)]
-                events += self.call.progress(visible)
+                end = len(text) - held_prefix(text, end_tag, i)
+                visible = text[i:end]
+                self.block.append(visible)
+                events += self.call.feed(visible)[0]
+                self.pending = text[end:]
                 return events
-            block = self.text[self.pos : len(self.text) if e < 0 else e]
+            self.block.append(text[i : len(text) if e < 0 else e])
+            block = "".join(self.block)
             try:
                 events += self.call.complete(_call_from_object(block, "name", "arguments"))
                 self.calls += 1
@@ -257,10 +279,11 @@ class HermesToolStream:
                 if not self.call.name_sent:
                     raw = start_tag + block + (end_tag if e >= 0 else "")
                     events += self._content(raw)
-            self.call = None
-            self.pos = len(self.text) if e < 0 else e + len(end_tag)
+            self.call, self.block = None, []
             if e < 0:
+                self.pending = ""
                 return events
+            i = e + len(end_tag)
 
 
 class RequiredToolParser:
@@ -269,7 +292,7 @@ class RequiredToolParser:
 
     def parse(self, text: str) -> ParsedOutput:
         try:
-            items = json.loads(text)
+            items = loads_bounded(text)
         except ValueError:
             return ParsedOutput(text, [])
         if not isinstance(items, list):
@@ -292,61 +315,55 @@ class RequiredToolParser:
 
 
 class RequiredToolStream:
+    """RequiredToolParser fed text deltas: the array's elements read piece by piece as they
+    arrive (each character once), a call's name and arguments streamed as its element goes."""
+
     def __init__(self) -> None:
-        self.text = ""
-        self.element_start: int | None = None  # where the open element begins
-        self.next_at = 0  # where to look for the next element
-        self.opened = False
-        self.call: _CallProgress | None = None
+        self.opened = False  # the array's `[` has come
+        self.comma = False  # a comma has come since the last element
+        self.call: _CallProgress | None = None  # the open element's call
+        self.element: list[str] = []  # the open element's text so far
         self.calls = 0
         self.done = False
 
     def feed(self, delta: str) -> list[StreamEvent]:
-        self.text += delta
         events: list[StreamEvent] = []
-        text = self.text
-        while not self.done:
-            if not self.opened:
-                i = skip_ws(text, 0)
-                if i >= len(text):
-                    return events
-                if text[i] != "[":
-                    self.done = True
-                    return events
-                self.opened, self.next_at = True, i + 1
+        i = 0
+        while not self.done and i < len(delta):
             if self.call is None:
-                i = skip_ws(text, self.next_at)
-                if i < len(text) and text[i] == ",":
-                    i = skip_ws(text, i + 1)
-                if i >= len(text):
-                    return events
-                if text[i] != "{":
+                i = skip_ws(delta, i)
+                if i >= len(delta):
+                    break
+                ch = delta[i]
+                if not self.opened:
+                    self.opened, self.done = ch == "[", ch != "["
+                elif ch == "," and not self.comma:
+                    self.comma = True
+                elif ch == "{":
+                    # The array is one level: an element nests one level less than the answer.
+                    self.call, self.element = _CallProgress(self.calls, "name", "parameters", MAX_JSON_DEPTH - 1), []
+                    continue
+                else:
                     self.done = True
-                    return events
-                self.element_start = i
-                self.call = _CallProgress(self.calls, "name", "parameters")
-            assert self.element_start is not None
-            element = text[self.element_start :]
-            if self.call.args_open:  # the parameters are still arriving: no need to scan the rest
-                events += self.call.progress(element)
-                if self.call.args_open:
-                    return events
-            try:
-                scan = scan_object(element, 0)
-            except Malformed:
+                i += 1
+                continue
+            new, end = self.call.feed(delta, i)
+            events += new
+            if self.call.object.malformed:
                 self.done = True
-                return events
-            if scan.end is None:
-                events += self.call.progress(element)
-                return events
+                break
+            self.element.append(delta[i : len(delta) if end is None else end])
+            if end is None:
+                break
+            i = end
             try:
-                events += self.call.complete(_call_from_object(element[: scan.end], "name", "parameters"))
+                call = _call_from_object("".join(self.element), "name", "parameters", MAX_JSON_DEPTH - 1)
             except ValueError:
                 self.done = True
-                return events
+                break
+            events += self.call.complete(call)
             self.calls += 1
-            self.call = None
-            self.next_at = self.element_start + scan.end
+            self.call, self.comma = None, False
         return events
 
     def finish(self) -> list[StreamEvent]:
