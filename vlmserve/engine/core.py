@@ -161,13 +161,17 @@ class EngineCore:
         per_seq = -(-self.max_model_len // config.block_size)
         slot_groups = CacheCoordinator.slot_groups(rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching)
         slot_bytes = sum(group.bytes for group in slot_groups)
+        # The compiled grammars live in the engine core's host memory: on the CPU, where the KV
+        # cache does too, the KV cache is sized after them (every rank's: they share the machine).
+        grammars_in_budget = self.device.type == "cpu"
+        grammar_bytes = config.grammar_cache_bytes if grammars_in_budget else 0
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
                 raise ValueError(
                     f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
                 )
-            budget = weights + encoder_cache + slot_bytes + fixed * block_bytes
+            budget = weights + encoder_cache + slot_bytes + grammar_bytes + fixed * block_bytes
             activations, min_blocks, profiled = 0, 1, False
         else:
             activations = rank.activation_bytes
@@ -184,6 +188,8 @@ class EngineCore:
             max_useful_blocks=per_seq * config.max_num_seqs,
             profiled=profiled,
             state_cache_bytes=slot_bytes,
+            grammar_cache_bytes=config.grammar_cache_bytes,
+            grammar_cache_in_budget=grammars_in_budget,
         )
 
     def _load_vocabulary(self) -> list[bytes]:
