@@ -252,6 +252,17 @@ def test_a_grammar_that_compiles_for_long_holds_up_no_other_request(llm: LLM, mo
     assert finished["slow"][0] >= 2.0 and re.fullmatch(r"[a-z]{3}!", finished["slow"][1]), finished
 
 
+def test_a_grammar_larger_than_the_whole_cache_is_refused(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Huge:
+        memory_size_bytes = 1 << 40
+
+    monkeypatch.setattr(llm.llm_engine.core.grammars, "compile", lambda spec: Huge())
+    spec = StructuredOutputsParams(regex="huge")
+    with pytest.raises(ValueError, match=r"needs 1048576 MiB, more than the whole grammar cache of 512 MiB"):
+        llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=spec))
+    assert spec.key not in llm.llm_engine.core.structured_outputs.cache
+
+
 @pytest.fixture(scope="module")
 def limited(tiny25_dir: Path) -> LLM:
     """Small limits: a grammar cache of 0.05 GiB (seven 7 MB grammars) and 0.3 s of CPU a compile."""
