@@ -67,9 +67,11 @@ def test_two_ranks_give_the_single_process_tokens_and_agree_on_random_samples(
     assert token_ids(two_ranks.generate(batch, params)) == expected
     # Unseeded random samples: each rank's own generator would draw other tokens; every rank
     # must hold rank 0's (the requests stay with the runner until the next step forgets them).
-    # One is held to a grammar, which each rank compiles and follows for itself.
+    # One is held to a grammar: the engine core compiles it and fills its mask once for both ranks
+    # (compiled before the batch, so that it runs beside the others rather than after them).
     unseeded = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
     digits = SamplingParams(max_tokens=6, temperature=1.0, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    two_ranks.generate("Digits:", digits)
     outputs = two_ranks.generate(batch, [unseeded, digits, unseeded])
     assert re.fullmatch("[0-9]{3}", outputs[1].outputs[0].text), outputs[1].outputs[0].text
     (held_0, digest_0), (held_1, digest_1) = executor(two_ranks).request_digests()

@@ -47,6 +47,30 @@ def test_plan_arithmetic() -> None:
         plan_kv_cache(budget_bytes=int(4.6 * GiB), max_useful_blocks=100, **common)
 
 
+def test_the_grammar_cache_is_planned_where_it_shares_memory_with_the_kv_cache() -> None:
+    """Compiled grammars live in host memory: on the CPU the KV cache is sized after their cache;
+    on CUDA (in_budget False) the plan shows them outside the device's budget."""
+    common: dict[str, Any] = dict(
+        budget_bytes=8 * GiB,
+        weights_bytes=3 * GiB,
+        activation_bytes=GiB,
+        encoder_cache_bytes=GiB // 2,
+        block_bytes=GiB // 64,
+        block_size=16,
+        min_blocks=8,
+        max_useful_blocks=10_000,
+        grammar_cache_bytes=GiB // 2,
+    )
+    cpu = plan_kv_cache(**common)
+    assert cpu.num_blocks == 3 * 64  # 8 - 3 - 1 - 0.5 - 0.5 (grammars) = 3 GiB
+    assert "grammar cache 0.50 GiB, KV cache 3.00 GiB" in cpu.describe()
+    cuda = plan_kv_cache(**common, grammar_cache_in_budget=False)
+    assert cuda.num_blocks == 3.5 * 64
+    assert cuda.describe().endswith("; grammar cache 0.50 GiB in host memory")
+    with pytest.raises(ValueError, match=r"\+ grammar cache 4.00 GiB \(--grammar-cache-gib\) leave 0.00 GiB"):
+        plan_kv_cache(**(common | {"grammar_cache_bytes": 4 * GiB}))
+
+
 def test_one_block_per_stack_restores_the_model() -> None:
     model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2) for _ in range(3)]))
     stack = model[0]
@@ -181,7 +205,9 @@ def test_kv_cache_is_sized_from_what_the_budget_leaves(
     assert plan.weights_bytes == sizes.weights
     assert plan.encoder_cache_bytes == LARGEST_VIDEO * sizes.encoder_token
     assert plan.block_bytes == sizes.block
-    fit = (2 * GiB - sizes.weights - plan.activation_bytes - LARGEST_VIDEO * sizes.encoder_token) // sizes.block
+    assert plan.grammar_cache_bytes == GiB // 2 and plan.grammar_cache_in_budget  # the default, on the CPU
+    left = 2 * GiB - sizes.weights - plan.activation_bytes - LARGEST_VIDEO * sizes.encoder_token - GiB // 2
+    fit = left // sizes.block
     # 2 GiB leaves far more than 4 sequences of 2048 tokens need: capped at that.
     cap = 4 * 2048 // 16
     assert fit > cap and plan.capped and plan.num_blocks == cap
@@ -192,13 +218,15 @@ def test_kv_blocks_are_what_a_tight_budget_leaves_after_the_measured_step(
     planned_profile: tuple[LLM, ProfileRecord], sizes: Sizes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Re-plan the same engine with its measured step replayed and a budget that leaves room for
-    # 300 blocks and a bit (< 512, the cap): what the KV cache gets is the plan's arithmetic.
+    # 300 blocks and a bit (< 512, the cap) after the grammar cache: what the KV cache gets is the
+    # plan's arithmetic.
     llm, record = planned_profile
     core = llm.llm_engine.core
     measured = record.activations[0]
     monkeypatch.setattr(core.runner, "profile_run", lambda *args, **kwargs: measured)
     encoder_cache = LARGEST_VIDEO * sizes.encoder_token
-    budget = sizes.weights + measured + encoder_cache + 300 * sizes.block + sizes.block - 1
+    grammars = core.config.grammar_cache_bytes
+    budget = sizes.weights + measured + encoder_cache + grammars + 300 * sizes.block + sizes.block - 1
     monkeypatch.setattr(core, "config", dataclasses.replace(core.config, memory_budget_bytes=budget))
     plan = core._plan_memory(core.scheduler.config, "video", LARGEST_VIDEO)
     assert (plan.num_blocks, plan.capped, plan.activation_bytes) == (300, False, measured)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import jsonschema_rs
@@ -174,6 +175,9 @@ def test_the_core_fills_each_steps_masks_once_and_its_matchers_take_only_steps_t
 
     monkeypatch.setattr(core.executor, "execute", recording)
     core.add_request("g", llm.llm_engine.processor.process(prompt, []), SamplingParams(structured_outputs=spec))
+    assert "g" in core.structured_outputs.waiting  # its grammar compiles; steps with nothing to run wait for it
+    while core.structured_outputs.waiting:
+        assert core.step() == []
     core.add_request("plain", llm.llm_engine.processor.process(prompt, []), SamplingParams(max_tokens=2))
     assert core.structured_outputs.matchers.keys() == {"g"}
     outputs = core.step()
@@ -207,3 +211,110 @@ def test_spec_travels_as_plain_data() -> None:
     back = serial.decoder(SamplingParams).decode(serial.encode(params))
     assert back.structured_outputs == StructuredOutputsParams(json='{"type": "object"}', disable_any_whitespace=True)
     assert back.structured_outputs.key == ("json", '{"type": "object"}', False)
+
+
+def _nested_arrays(depth: int) -> dict:
+    """A small schema (28 bytes a level) whose compile takes long: 400 levels, 11 kB, take 2.5 s of
+    CPU on the development machine (AMD EPYC, 2 cores), 500 levels 4.8 s."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_grammar_that_compiles_for_long_holds_up_no_other_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar compiles beside the steps: a plain request added after it finishes while it
+    compiles; the grammar's request runs once its grammar is ready."""
+    engine = llm.llm_engine
+    real = engine.core.grammars.compile
+
+    def slow(spec: StructuredOutputsParams):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)  # a long compile (xgrammar's releases the GIL, as sleeping does)
+        return real(spec)
+
+    monkeypatch.setattr(engine.core.grammars, "compile", slow)
+    tokenizer = llm.get_tokenizer()
+    spec = StructuredOutputsParams(regex=r"[a-z]{3}!")
+    start = time.monotonic()
+    engine.add_request(
+        "slow",
+        engine.processor.process(tokenizer.encode("Spell:"), []),
+        SamplingParams(temperature=1.0, seed=0, max_tokens=8, structured_outputs=spec),
+    )
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    engine.add_request("plain", engine.processor.process(tokenizer.encode("Once upon a time"), []), plain)
+    finished: dict[str, tuple[float, str]] = {}
+    while len(finished) < 2:
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = (time.monotonic() - start, output.outputs[0].text)
+    assert finished["plain"][0] < 1.0, finished  # not held up by the 2 s compile
+    assert finished["slow"][0] >= 2.0 and re.fullmatch(r"[a-z]{3}!", finished["slow"][1]), finished
+
+
+def test_a_grammar_larger_than_the_whole_cache_is_refused(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Huge:
+        memory_size_bytes = 1 << 40
+
+    monkeypatch.setattr(llm.llm_engine.core.grammars, "compile", lambda spec: Huge())
+    spec = StructuredOutputsParams(regex="huge")
+    with pytest.raises(ValueError, match=r"needs 1048576 MiB, more than the whole grammar cache of 512 MiB"):
+        llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=spec))
+    assert spec.key not in llm.llm_engine.core.structured_outputs.cache
+
+
+@pytest.fixture(scope="module")
+def limited(tiny25_dir: Path) -> LLM:
+    """Small limits: a grammar cache of 0.05 GiB (seven 7 MB grammars) and 0.3 s of CPU a compile."""
+    return LLM(
+        tiny25_dir,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory_gib=0.05,
+        grammar_cache_gib=0.05,
+        max_grammar_compile_seconds=0.3,
+    )
+
+
+def test_a_compile_past_the_time_limit_fails_its_request_alone(limited: LLM) -> None:
+    deep = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=_nested_arrays(400)))
+    message = r"compiling the JSON schema took more than 0.3 s of CPU time.*--max-grammar-compile-seconds"
+    with pytest.raises(ValueError, match=message):
+        limited.generate("x", deep)
+    outputs = limited.llm_engine.core.structured_outputs
+    # Asked again, it is refused at once (a retrying client holds no second thread).
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        limited.generate("x", deep)
+    assert time.monotonic() - start < 0.5 and outputs.num_timed_out == 1
+    # The engine goes on: another grammar compiles on the other thread while the abandoned
+    # compile runs on (its result dropped when it ends).
+    ok = limited.generate("x", SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["ok"])))
+    assert ok[0].outputs[0].text == "ok"
+    assert limited.generate("x", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
+def test_compiled_grammars_stay_within_their_cache_over_many_schemas(limited: LLM) -> None:
+    """30 distinct schemas of 7 MB each, ten at a time (70 MB in use at once, over the 54 MB cache:
+    the compiles beyond it wait for requests to finish): the grammars held stay within the cache
+    once the requests are done, and so does the process's memory."""
+    from vlmserve.engine.memory import PeakMeter, _release_free_heap
+
+    structured = limited.llm_engine.core.structured_outputs
+    cache = structured.cache
+    meter = PeakMeter(torch.device("cpu"))
+    limited.generate("x", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=schema(0))))
+    _release_free_heap()
+    before = meter.current()
+    for batch in range(3):
+        specs = [StructuredOutputsParams(json=schema(1000 + 10 * batch + i)) for i in range(10)]
+        params = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=6, structured_outputs=s) for i, s in enumerate(specs)
+        ]
+        outputs = limited.generate(["Answer as JSON:"] * 10, params)
+        assert all(o.outputs[0].text.startswith("{") for o in outputs)
+        assert cache.num_bytes <= cache.capacity_bytes and cache.num_pinned == 0
+    assert cache.evictions >= 30 - 7 and not structured.waiting and not structured.matchers
+    _release_free_heap()
+    grown = meter.current() - before
+    assert grown < cache.capacity_bytes + (30 << 20), grown / (1 << 20)  # one grammar is 7 MB

@@ -261,6 +261,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "whole vocabulary, which also lets a request ask for -1)",
     )
     p.add_argument(
+        "--max-grammar-bytes",
+        type=positive_int,
+        default=128 * 1024,
+        metavar="N",
+        help="bytes of a request's structured-output spec (JSON schema, regex, choice, EBNF grammar, or the schema "
+        "a forced tool call builds), checked before it reaches the engine (400 above it)",
+    )
+    p.add_argument(
+        "--max-grammar-compile-seconds",
+        type=positive_float,
+        default=5.0,
+        metavar="S",
+        help="CPU seconds compiling one request's grammar may take (it compiles beside the steps; the request "
+        "waits, the others run); past it the request gets 400",
+    )
+    p.add_argument(
+        "--grammar-cache-gib",
+        type=positive_float,
+        default=0.5,
+        metavar="GIB",
+        help="memory for compiled grammars (structured outputs), least recently used evicted, one in use kept; "
+        "on the CPU the KV cache is planned after it",
+    )
+    p.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,

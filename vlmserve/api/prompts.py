@@ -79,7 +79,13 @@ class PromptBuilder:
             raise APIError(400, f"top_logprobs {problem}", "top_logprobs")
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
         params = self._resolve(
-            body.sampling_params(self.frontend.default_sampling_params(), max_tokens, logprobs, self.ctx.max_n)
+            body.sampling_params(
+                self.frontend.default_sampling_params(),
+                max_tokens,
+                logprobs,
+                self.ctx.max_n,
+                max_grammar_bytes=self.ctx.max_grammar_bytes,
+            )
         )
         try:
             messages = template_messages(body.messages)
@@ -166,6 +172,7 @@ class PromptBuilder:
                 self.ctx.max_n,
                 # vLLM's: echo with logprobs scores the prompt's tokens too.
                 body.logprobs if body.echo and body.prompt_logprobs is None else None,
+                max_grammar_bytes=self.ctx.max_grammar_bytes,
             )
         )
         media, truncation = self._request_options(body)

@@ -393,9 +393,9 @@ class _SamplingFields(BaseModel):
             out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return out
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The one grammar the request asks for, from whichever field it used (400 naming the
-        field when it is malformed, or when two fields ask)."""
+    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The one grammar the request asks for and the field it used (400 naming the field when
+        it is malformed, or when two fields ask)."""
         asked: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -429,7 +429,7 @@ class _SamplingFields(BaseModel):
             except JSONLimitError as e:
                 raise APIError(400, f"{name} {e}", name) from None
         try:
-            return StructuredOutputsParams(**fields)
+            return name, StructuredOutputsParams(**fields)
         except ValueError as e:
             raise APIError(400, f"{name}: {e}".replace("structured_outputs: ", "", 1), name) from None
 
@@ -440,11 +440,23 @@ class _SamplingFields(BaseModel):
         logprobs: int | None,
         max_n: int,
         prompt_logprobs: int | None = None,
+        max_grammar_bytes: int | None = None,
     ) -> SamplingParams:
+        """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes)."""
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
         logit_bias = self._logit_bias()
-        structured_outputs = self._structured_outputs()
+        asked = self._structured_outputs()
+        structured_outputs = None if asked is None else asked[1]
+        if asked is not None and max_grammar_bytes is not None:
+            name, spec = asked
+            size = len(spec.key[1].encode())
+            if size > max_grammar_bytes:
+                message = (
+                    f"{name} is {size} bytes, more than the {max_grammar_bytes} allowed "
+                    "(max_grammar_bytes, --max-grammar-bytes)"
+                )
+                raise APIError(400, message, name)
         try:
             return SamplingParams(
                 n=self.n,
@@ -535,7 +547,7 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs | (self.chat_template_kwargs or {})
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
+    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
         own = super()._structured_outputs()
         forced = forced_tool_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
         if forced is None:
@@ -546,7 +558,7 @@ class ChatCompletionRequest(_SamplingFields):
             )
         # No free whitespace: the call is written as json.dumps writes it (", " and ": "), and a
         # model cannot run on in whitespace inside the call (vLLM allows any).
-        return StructuredOutputsParams(json=forced, disable_any_whitespace=True)
+        return "tools", StructuredOutputsParams(json=forced, disable_any_whitespace=True)
 
 
 class CompletionRequest(_SamplingFields):

@@ -43,6 +43,9 @@ class ServingContext:
     fetch_policy: FetchPolicy
     model_name: str  # the name responses carry
     max_n: int = 8
+    # The bytes of a request's structured-output spec (--max-grammar-bytes), checked here: a large
+    # spec costs the engine its compile time and memory.
+    max_grammar_bytes: int = 128 * 1024
     # Every name a request's `model` may give (model_name among them); empty: model_name alone.
     served_model_names: tuple[str, ...] = ()
     # What /v1/models shows as `root`: the model as the server was given it (vLLM's).

@@ -14,7 +14,7 @@ import torch
 
 from vlmserve.bench.sampling import request_schema
 from vlmserve.engine.sampler import GrammarMask, Sampler
-from vlmserve.engine.structured_output import GrammarCompiler, TokenBitmask, apply_token_bitmask
+from vlmserve.engine.structured_output import GrammarCompiler, GrammarState, TokenBitmask, apply_token_bitmask
 from vlmserve.registry import family_of, load_model_config
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -34,10 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     grammars = GrammarCompiler(lambda: [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)], vocab, eos)
     start = time.perf_counter()
     specs = [StructuredOutputsParams(json=request_schema(i)) for i in range(args.batch)]
-    for spec in specs:
-        grammars.compile(spec)
+    compiled = [grammars.compile(spec) for spec in specs]
     print(f"vocabulary + compile {args.batch} schemas: {time.perf_counter() - start:.2f} s")
-    states = [grammars.matcher(spec) for spec in specs]
+    states = [GrammarState.start(grammar) for grammar in compiled]
     bitmask = TokenBitmask(vocab)
     sampler = Sampler()
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(args.batch)]
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
             state.accept(token)
             if state.terminated:
-                states[i] = grammars.matcher(specs[i])
+                states[i] = GrammarState.start(compiled[i])
     n = args.steps / 1000
     result = {
         "batch": args.batch,

@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from vlmserve.bench.sampling import request_schema
 from vlmserve.engine.sampler import GrammarMask, Sampler, TokenHistory
 from vlmserve.engine.structured_output import GrammarCompiler, GrammarState, TokenBitmask
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 VOCAB = 151936
 PROMPT, OUTPUT = 1000, 256
@@ -66,7 +70,7 @@ def _time(call: object, rounds: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
-def _grammar_rows(batch: int) -> tuple[list[GrammarState], list[StructuredOutputsParams], GrammarCompiler]:
+def _grammar_rows(batch: int) -> tuple[list[GrammarState], list[xgrammar.CompiledGrammar]]:
     from vlmserve.registry import family_of, load_model_config
     from vlmserve.tools.tiny_checkpoint import tiny_checkpoint_dir
 
@@ -75,8 +79,8 @@ def _grammar_rows(batch: int) -> tuple[list[GrammarState], list[StructuredOutput
     grammars = GrammarCompiler(
         lambda: [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)], VOCAB, [tokenizer.eos_token_id or 0]
     )
-    specs = [StructuredOutputsParams(json=request_schema(i)) for i in range(batch)]
-    return [grammars.matcher(spec) for spec in specs], specs, grammars
+    compiled = [grammars.compile(StructuredOutputsParams(json=request_schema(i))) for i in range(batch)]
+    return [GrammarState.start(grammar) for grammar in compiled], compiled
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,7 +115,7 @@ def _run_batch(batch: int, args: argparse.Namespace, generator: torch.Generator)
         _report(args.json, batch, name, median, best, greedy_ms)
     if not args.json_schema:
         return
-    states, specs, grammars = _grammar_rows(batch)
+    states, compiled = _grammar_rows(batch)
     bitmask = TokenBitmask(VOCAB)
     for name in ("greedy", "Qwen3-VL / Qwen3.5 (0.7, top_k 20, top_p 0.8)"):
         params = [SamplingParams(**PARAMETER_SETS[name])] * batch
@@ -124,7 +128,7 @@ def _run_batch(batch: int, args: argparse.Namespace, generator: torch.Generator)
             for i, token in enumerate(tokens):
                 states[i].accept(token)
                 if states[i].terminated:
-                    states[i] = grammars.matcher(specs[i])
+                    states[i] = GrammarState.start(compiled[i])
 
         median, best = _time(step, args.rounds)
         _report(args.json, batch, f"{name} + json_schema", median, best, greedy_ms)

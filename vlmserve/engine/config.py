@@ -47,6 +47,11 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no
     # bound below the vocabulary, which also lets a request ask for -1, the whole vocabulary).
     max_logprobs: int = 20
+    # Structured outputs (engine/structured_output.py): the compiled grammars the engine holds, in
+    # bytes (least recently used evicted; one in use stays; on the CPU the KV cache is planned after
+    # it), and the CPU seconds one grammar's compile may take before its requests are refused.
+    grammar_cache_bytes: int = 512 << 20
+    max_grammar_compile_seconds: float = 5.0
     # "auto" (triton on CUDA where installed, else torch), "torch" or "triton" (attention/__init__.py).
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs (engine/cuda_graphs.py), every step eager.
@@ -68,6 +73,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.grammar_cache_bytes < 1:
+            raise ValueError(f"grammar_cache_bytes must be positive, got {self.grammar_cache_bytes}")
+        if not 0 < self.max_grammar_compile_seconds < float("inf"):
+            raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
         check_parallel_layout(self.tensor_parallel_size, self.nnodes, self.node_rank)
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address), the same on every node")

@@ -25,6 +25,9 @@ from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# How long a step with nothing to run but grammars compiling waits for one (then returns, so
+# that the caller takes new requests and aborts meanwhile).
+GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -39,12 +42,15 @@ class EngineCore:
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         self.backend = select_backend(self.device, config.attention_backend, decode_workspace_tokens=self.max_model_len)
-        # Structured outputs' grammars compile when a request comes; the matchers live here and
-        # fill each step's masks once, for every rank.
+        # Structured outputs' grammars compile on threads of their own while the other requests
+        # run; the compiled grammars and the matchers live here and fill each step's masks once,
+        # for every rank.
         self.grammars = GrammarCompiler(
             self._load_vocabulary, model.model_config.text.vocab_size, sorted(model.eos_token_ids)
         )
-        self.structured_outputs = StructuredOutputs(self.grammars)
+        self.structured_outputs = StructuredOutputs(
+            self.grammars, config.grammar_cache_bytes, config.max_grammar_compile_seconds
+        )
         # The model and its runner: in this process, or on tensor_parallel_size rank processes.
         self.executor = make_executor(config, model.model_dir, self.device, self.backend)
         # The largest image or video a prompt may hold: the encoder must take it in one step.
@@ -71,8 +77,10 @@ class EngineCore:
         if graphs:
             self._capture_decode_graphs()
         self.scheduler = Scheduler(scheduler_config, self.kv, log_stats)
-        # Requests an error in the engine failed, with why, since the last take_failed().
+        # Requests an error in the engine failed, with why, since the last take_failed(); requests
+        # refused for their grammar (the request's fault, not the engine's), since take_refused().
         self.failed: dict[str, str] = {}
+        self.refused: dict[str, str] = {}
         # Since start: prompt tokens computed (again after a preemption) and tokens generated,
         # for the periodic throughput lines.
         self.num_prompt_tokens = 0
@@ -92,6 +100,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the rank processes, if any (the engine cannot run steps after this)."""
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
     def _use_cuda_graphs(self) -> bool:
@@ -152,13 +161,17 @@ class EngineCore:
         per_seq = -(-self.max_model_len // config.block_size)
         slot_groups = CacheCoordinator.slot_groups(rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching)
         slot_bytes = sum(group.bytes for group in slot_groups)
+        # The compiled grammars live in the engine core's host memory: on the CPU, where the KV
+        # cache does too, the KV cache is sized after them (every rank's: they share the machine).
+        grammars_in_budget = self.device.type == "cpu"
+        grammar_bytes = config.grammar_cache_bytes if grammars_in_budget else 0
         if config.kv_cache_memory_bytes is not None:
             fixed = config.kv_cache_memory_bytes // block_bytes
             if fixed < 1:
                 raise ValueError(
                     f"kv_cache_memory of {config.kv_cache_memory_bytes} bytes holds no {block_bytes}-byte block"
                 )
-            budget = weights + encoder_cache + slot_bytes + fixed * block_bytes
+            budget = weights + encoder_cache + slot_bytes + grammar_bytes + fixed * block_bytes
             activations, min_blocks, profiled = 0, 1, False
         else:
             activations = rank.activation_bytes
@@ -175,6 +188,8 @@ class EngineCore:
             max_useful_blocks=per_seq * config.max_num_seqs,
             profiled=profiled,
             state_cache_bytes=slot_bytes,
+            grammar_cache_bytes=config.grammar_cache_bytes,
+            grammar_cache_in_budget=grammars_in_budget,
         )
 
     def _load_vocabulary(self) -> list[bytes]:
@@ -186,21 +201,30 @@ class EngineCore:
         self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        """One sample (n == 1); the front end fans out n > 1. ValueError: a grammar that does not compile."""
+        """One sample (n == 1); the front end fans out n > 1. ValueError: an id in use, or a request
+        that can never fit. One with a grammar not compiled yet is queued once it is (a spec that
+        does not compile: take_refused() names it)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
-        spec = params.structured_outputs
-        matcher = None if spec is None else self.grammars.matcher(spec)  # compiled (cached) before it is queued
+        if request_id in self.structured_outputs.waiting:
+            raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
-        self.scheduler.add_request(request)
-        if matcher is not None:
-            self.structured_outputs.add(request_id, matcher)
+        if params.structured_outputs is None:
+            self.scheduler.add_request(request)
+            return
+        self.scheduler.check_fits(request.num_prompt_tokens, [item.length for item in request.mm_items])
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.structured_outputs.add(request):  # its grammar is compiled: queued now
+            self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Stop requests now (aborted, or a stop string found by the front end); frees everything."""
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, status)
         self.structured_outputs.remove(request_ids)
+        for request_id in request_ids:
+            self.refused.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks and encoder outputs that no running request holds."""
@@ -209,14 +233,21 @@ class EngineCore:
         self.executor.free_encoder_outputs(self.scheduler.encoder_cache.take_freed())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured_outputs.waiting)
 
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, execute, update. No error in it ends the engine: a request whose
         computation or update raises is failed alone (take_failed() names it) and the others get
         the tokens they would have had without it; an error that cannot be pinned on one request
         (in schedule(), or leaving the caches in an unknown state) fails every request in flight
-        and the engine goes on from empty caches."""
+        and the engine goes on from empty caches. Requests whose grammar compiled meanwhile are
+        queued first; with none to run while grammars compile, it waits for one (at most
+        GRAMMAR_WAIT_S) and returns no output."""
+        self._queue_compiled()
+        if not self.scheduler.has_unfinished():
+            self.structured_outputs.wait(GRAMMAR_WAIT_S)
+            self._queue_compiled()
+            return []
         try:
             scheduler_output = self.scheduler.schedule()
             self._count_prompt_tokens(scheduler_output)
@@ -241,6 +272,17 @@ class EngineCore:
         )
         self.num_generation_tokens += sum(len(output.new_token_ids) for output in outputs)
         return outputs
+
+    def _queue_compiled(self) -> None:
+        """The requests whose grammar compiled, into the scheduler; those refused for it, into
+        take_refused()."""
+        for request in self.structured_outputs.take_ready():
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:  # checked when it came; kept for safety: it fails alone
+                self.structured_outputs.remove([request.request_id])
+                self.refused[request.request_id] = str(e)
+        self.refused.update(self.structured_outputs.take_refused())
 
     def _fill_grammar_masks(self, step: SchedulerOutput) -> None:
         """The masks of the requests this step samples under a grammar (those whose known tokens
@@ -269,6 +311,12 @@ class EngineCore:
             request = self.scheduler.requests[request_id]
             computed = request.num_computed_tokens  # advanced only when the step's output comes
             self.num_prompt_tokens += max(0, min(computed + n, request.num_prompt_tokens) - computed)
+
+    def take_refused(self) -> dict[str, str]:
+        """Request id -> why, for each request refused for its grammar since the last call: its
+        spec does not compile, or passed a limit (it is gone; the request's fault: a 400)."""
+        refused, self.refused = self.refused, {}
+        return refused
 
     def take_failed(self) -> dict[str, str]:
         """Request id -> why (for the log), for each request failed by an error in the engine

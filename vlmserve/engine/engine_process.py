@@ -125,15 +125,24 @@ class EngineLoop:
                 self.parents.pop(output.request_id, None)
         if outputs:
             self.push.send(encoder.encode(StepOutputs(outputs, timestamp)))
-        failed = self.core.take_failed()
-        for child_id, why in failed.items():
-            if child_id not in self.parents:
-                continue  # a sibling's failure already answered for it
-            parent, siblings = self.parents[child_id]
-            self.core.finish_requests(siblings)
-            for sibling in siblings:
-                self.parents.pop(sibling, None)
-            self.push.send(encoder.encode(RequestFailed(parent, why, internal=True)))
+        for child_id, why in self.core.take_failed().items():
+            self._fail(child_id, why, internal=True)
+        self._answer_refused()
+
+    def _answer_refused(self) -> None:
+        """Requests refused for their grammar (it does not compile, or passed a limit): a 400."""
+        for child_id, why in self.core.take_refused().items():
+            self._fail(child_id, why, internal=False)
+
+    def _fail(self, child_id: str, why: str, internal: bool) -> None:
+        """The request of this sample fails, with all its samples."""
+        if child_id not in self.parents:
+            return  # a sibling's failure already answered for it
+        parent, siblings = self.parents[child_id]
+        self.core.finish_requests(siblings)
+        for sibling in siblings:
+            self.parents.pop(sibling, None)
+        self.push.send(encoder.encode(RequestFailed(parent, why, internal=internal)))
 
     def _handle(self, raw: bytes) -> None:
         try:
@@ -159,6 +168,7 @@ class EngineLoop:
                 self.core.add_request(child_id, prompt, params)
             for child_id in message.child_ids:
                 self.parents[child_id] = (message.request_id, list(message.child_ids))
+            self._answer_refused()
         except (ValueError, shm.ShmError) as e:
             self.core.finish_requests(list(message.child_ids))  # any child already admitted
             self.push.send(encoder.encode(RequestFailed(message.request_id, str(e))))
@@ -190,7 +200,7 @@ class EngineLoop:
         self.push.send(
             encoder.encode(
                 Stats(
-                    waiting=len(sched.waiting),
+                    waiting=len(sched.waiting) + len(self.core.structured_outputs.waiting),
                     running=len(sched.running),
                     kv_cache_usage=self.core.kv.usage,
                     prefix_cache_queries=self.core.kv.prefix_queries,

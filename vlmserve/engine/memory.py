@@ -12,6 +12,10 @@ that cannot fit is refused when submitted.
 A model with per-request state (linear-attention layers) also needs max_num_seqs state slots of
 a fixed size (vlmserve.attention.state), twice that with prefix caching (saved states); they are
 set aside before the KV cache is sized.
+
+Structured outputs' compiled grammars (engine/grammar_cache.py) live in the engine process's host
+memory, up to their cache's size: on the CPU they share it with the KV cache and are set aside
+before it is sized too; on CUDA the plan shows them, outside the device's budget.
 """
 
 from __future__ import annotations
@@ -144,6 +148,10 @@ class MemoryPlan:
     profiled: bool
     # max_num_seqs state slots, twice that with prefix caching (0 for a model without per-request state)
     state_cache_bytes: int = 0
+    # Compiled grammars (structured outputs), in host memory: within the budget where the KV cache
+    # is in host memory too (the CPU), beside it otherwise.
+    grammar_cache_bytes: int = 0
+    grammar_cache_in_budget: bool = True
 
     @property
     def kv_bytes(self) -> int:
@@ -156,11 +164,13 @@ class MemoryPlan:
         source = "measured worst-case step" if self.profiled else "not profiled (KV size given)"
         cap = ", capped at max_num_seqs x max_model_len" if self.capped else ""
         state = f", per-request state {g(self.state_cache_bytes)}" if self.state_cache_bytes else ""
+        grammars = f", grammar cache {g(self.grammar_cache_bytes)}" if self.grammar_cache_in_budget else ""
+        host = "" if self.grammar_cache_in_budget else f"; grammar cache {g(self.grammar_cache_bytes)} in host memory"
         return (
             f"memory plan: budget {g(self.budget_bytes)}; weights {g(self.weights_bytes)}, activations "
-            f"{g(self.activation_bytes)} ({source}), encoder cache {g(self.encoder_cache_bytes)}{state}, KV cache "
-            f"{g(self.kv_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens = "
-            f"{self.num_blocks * self.block_size} tokens{cap}"
+            f"{g(self.activation_bytes)} ({source}), encoder cache {g(self.encoder_cache_bytes)}{state}{grammars}, "
+            f"KV cache {g(self.kv_bytes)} = {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_blocks * self.block_size} tokens{cap}{host}"
         )
 
 
@@ -176,14 +186,18 @@ def plan_kv_cache(
     max_useful_blocks: int,
     profiled: bool = True,
     state_cache_bytes: int = 0,
+    grammar_cache_bytes: int = 0,
+    grammar_cache_in_budget: bool = True,
 ) -> MemoryPlan:
     """Blocks that fit what the budget leaves; at least enough for one full-length sequence."""
-    left = budget_bytes - weights_bytes - activation_bytes - encoder_cache_bytes - state_cache_bytes
+    grammars = grammar_cache_bytes if grammar_cache_in_budget else 0
+    left = budget_bytes - weights_bytes - activation_bytes - encoder_cache_bytes - state_cache_bytes - grammars
     fit = max(0, left) // block_bytes
     if fit < min_blocks:
         state = (
             f" + per-request state {state_cache_bytes / GiB:.2f} GiB (max_num_seqs slots)" if state_cache_bytes else ""
         )
+        state += f" + grammar cache {grammars / GiB:.2f} GiB (--grammar-cache-gib)" if grammars else ""
         raise ValueError(
             f"memory budget of {budget_bytes / GiB:.2f} GiB is too small: weights {weights_bytes / GiB:.2f} GiB + "
             f"peak activations {activation_bytes / GiB:.2f} GiB + encoder cache {encoder_cache_bytes / GiB:.2f} GiB"
@@ -203,4 +217,6 @@ def plan_kv_cache(
         capped=num_blocks < fit,
         profiled=profiled,
         state_cache_bytes=state_cache_bytes,
+        grammar_cache_bytes=grammar_cache_bytes,
+        grammar_cache_in_budget=grammar_cache_in_budget,
     )

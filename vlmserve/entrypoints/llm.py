@@ -64,6 +64,8 @@ class LLM:
         mm_processor_kwargs: dict[str, int] | None = None,
         generation_config: str = "auto",
         max_logprobs: int = 20,
+        grammar_cache_gib: float = 0.5,
+        max_grammar_compile_seconds: float = 5.0,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
@@ -72,7 +74,10 @@ class LLM:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
     ) -> None:
-        """tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
+        """grammar_cache_gib, max_grammar_compile_seconds: structured outputs' compiled grammars held
+        (least recently used evicted) and the CPU seconds one compile may take (the server's
+        --grammar-cache-gib and --max-grammar-compile-seconds).
+        tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
         with nnodes > 1 the other machines' ranks join by `vlmserve worker` at master_addr:master_port
         (docs/server.md, "Tensor parallelism and many machines")."""
         configure_default_logging()
@@ -98,6 +103,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             generation_config=generation_config,
             max_logprobs=max_logprobs,
+            grammar_cache_bytes=int(grammar_cache_gib * (1 << 30)),
+            max_grammar_compile_seconds=max_grammar_compile_seconds,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,

@@ -75,6 +75,8 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """ValueError: a request's grammar does not compile, or passed a limit (as adding it
+        raised before grammars compiled in the background; the caller aborts its requests)."""
         outputs, stopped = self.output_processor.process(self.core.step())
         self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # stop strings found here
         # A request whose step failed (the engine went on without it) ends as aborted, with its
@@ -87,4 +89,9 @@ class LLMEngine:
             aborted = self.abort_request(sample.parent.request_id)
             if aborted is not None:
                 outputs.append(aborted)
+        for child_id, message in self.core.take_refused().items():
+            sample = self.output_processor.samples.get(child_id)
+            if sample is not None:
+                self.abort_request(sample.parent.request_id)
+                raise ValueError(message)
         return outputs
