@@ -67,16 +67,18 @@ def test_chat_with_a_video_on_qwen2_5_vl(tiny25_dir: Path, tmp_path: Path) -> No
 
 
 def test_chat_reports_bad_images(tiny_dir: Path, tmp_path: Path) -> None:
-    """A file that is there but is no image is found out when the question is asked."""
+    """A file that is there but is no image is found out from its header: given with --image, in
+    one line before the model loads (tests/entrypoints/test_cli_conventions.py); attached in a
+    conversation, in one line, and the conversation goes on without it."""
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("not a picture")
-    result = vlmserve("chat", str(tiny_dir), "--image", str(not_an_image), "hi", "--dtype", "float32")
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
-        "vlmserve chat: error: messages[0].content[0] (image 1): cannot decode image (not one of BMP, GIF, JPEG, "
-        "PNG, WEBP)"
-    )
-    assert "Traceback" not in result.stderr
+    from tests.entrypoints.test_cli_conventions import vlmserve as with_input
+
+    turns = f"/image {not_an_image}\nhi\n"
+    result = with_input("chat", str(tiny_dir), "--dtype", "float32", "--max-tokens", "2", stdin=turns)
+    assert result.returncode == 0, result.stderr
+    assert f"error: /image {not_an_image}: cannot decode image (not one of BMP, GIF, JPEG, PNG, WEBP)" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout.strip()
 
 
 # The default checkpoint written on first use, and what it answers: tests/tools/test_demo_model.py.

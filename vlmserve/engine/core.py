@@ -244,10 +244,12 @@ class EngineCore:
         queued first; with none to run while grammars compile, it waits for one (at most
         GRAMMAR_WAIT_S) and returns no output."""
         self._queue_compiled()
-        if not self.scheduler.has_unfinished():
+        if not self.scheduler.has_unfinished() and self.structured_outputs.waiting:
             self.structured_outputs.wait(GRAMMAR_WAIT_S)
             self._queue_compiled()
             return []
+        # Otherwise a step runs even with nothing scheduled: it tells the runner which requests
+        # finished since the last one, so that it forgets them.
         try:
             scheduler_output = self.scheduler.schedule()
             self._count_prompt_tokens(scheduler_output)
