@@ -195,6 +195,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=positive_int, default=32 * 1024 * 1024, help="request body size (413 above it)"
     )
     p.add_argument("--max-n", type=positive_int, default=8, help="largest `n` (samples per request) accepted")
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="sequences one request may run at once: its prompts x n (beams too); default: half of "
+        "--max-num-seqs, so that other requests keep room",
+    )
+    p.add_argument(
+        "--max-prompt-logprobs-tokens",
+        type=positive_int,
+        default=8192,
+        metavar="N",
+        help="prompt tokens one request may have scored with prompt_logprobs (each over the whole "
+        "vocabulary; for each of its n samples)",
+    )
     p.add_argument("--max-queue", type=positive_int, default=256, help="requests in flight before 429")
     p.add_argument(
         "--read-timeout",

@@ -100,7 +100,35 @@ class PromptBuilder:
             media=media,
             truncation=truncation,
         )
+        self._check_cost([prompt], params)
         return prompt, params
+
+    def _check_cost(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> None:
+        """What one request may make the engine do, counted in its own units, not as one HTTP
+        request: sequences at once (prompts x n; beams: prompts x n too) within
+        --max-seqs-per-request, and prompt rows scored over the whole vocabulary (prompt_logprobs:
+        every prompt token, for each of the n samples) within --max-prompt-logprobs-tokens. A 400
+        naming both numbers and the flag, before anything reaches the engine."""
+        ctx = self.ctx
+        sequences = len(prompts) * params.n
+        if sequences > ctx.max_seqs_per_request:
+            shape = f"{len(prompts)} prompt(s) x n {params.n}"
+            raise APIError(
+                400,
+                f"this request asks for {sequences} sequences at once ({shape}), more than the "
+                f"{ctx.max_seqs_per_request} one request may run (--max-seqs-per-request), so that other "
+                "requests keep room: send fewer prompts or a smaller n",
+                "n" if len(prompts) == 1 else "prompt",
+            )
+        if params.prompt_logprobs is not None:
+            rows = sum(len(p.prompt_token_ids) for p in prompts) * params.n
+            if rows > ctx.max_prompt_logprobs_tokens:
+                raise APIError(
+                    400,
+                    f"prompt_logprobs would score {rows} prompt tokens (every prompt token, for each sample), "
+                    f"more than the {ctx.max_prompt_logprobs_tokens} allowed (--max-prompt-logprobs-tokens)",
+                    "prompt_logprobs",
+                )
 
     async def chat_prompt(
         self,
@@ -198,6 +226,7 @@ class PromptBuilder:
                 images, _ = await self._fetch_media(images, [])
                 images, _ = apply_media_defaults(media, images, [])
             prompts.append(await self._process(p, images, param, None, truncation))  # the processor checks token ids
+        self._check_cost(prompts, params)
         return prompts, params
 
     def _check_length(self, text: str, param: str) -> None:

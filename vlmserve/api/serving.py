@@ -46,6 +46,10 @@ class ServingContext:
     # The bytes of a request's structured-output spec (--max-grammar-bytes), checked here: a large
     # spec costs the engine its compile time and memory.
     max_grammar_bytes: int = 128 * 1024
+    # What one request may make the engine run (PromptBuilder._check_cost): sequences at once
+    # (--max-seqs-per-request) and prompt tokens scored for prompt_logprobs (--max-prompt-logprobs-tokens).
+    max_seqs_per_request: int = 32
+    max_prompt_logprobs_tokens: int = 8192
     # Every name a request's `model` may give (model_name among them); empty: model_name alone.
     served_model_names: tuple[str, ...] = ()
     # What /v1/models shows as `root`: the model as the server was given it (vLLM's).
