@@ -13,7 +13,6 @@ counts toward `max_restarts`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -104,16 +103,22 @@ class EngineSupervisor:
         error is in the log above: the checkpoint, the memory budget...)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.ready.is_set():
-            if self.exited:
-                code = self._process.returncode if self._process else None
-                raise EngineDeadError(
-                    f"the engine process exited (code {code}) before it was ready; its error is above"
-                )
-            if loop.time() > deadline:
-                raise EngineDeadError(f"the engine process did not become ready within {timeout_s:.0f}s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.ready.wait(), 0.2)
+        # NOTE: asyncio.wait, not wait_for: on Python 3.11 wait_for returns the result of an inner
+        # wait that completes as the task is cancelled, losing the cancellation, so a Ctrl-C that
+        # lands as the engine becomes ready was lost (the server started and ignored it).
+        ready = asyncio.ensure_future(self.ready.wait())
+        try:
+            while not self.ready.is_set():
+                if self.exited:
+                    code = self._process.returncode if self._process else None
+                    raise EngineDeadError(
+                        f"the engine process exited (code {code}) before it was ready; its error is above"
+                    )
+                if loop.time() > deadline:
+                    raise EngineDeadError(f"the engine process did not become ready within {timeout_s:.0f}s")
+                await asyncio.wait({ready}, timeout=0.2)
+        finally:
+            ready.cancel()
 
     def mark_ready(self, memory_plan: str, summary: dict[str, str] | None = None) -> None:
         """The engine said it is ready (its Ready message). What it was built with is the

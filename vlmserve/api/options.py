@@ -201,7 +201,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="sequences one request may run at once: its prompts x n (beams too); default: half of "
-        "--max-num-seqs, so that other requests keep room",
+        "--max-num-seqs, so that other requests keep room, and at least --max-n (one prompt's samples)",
     )
     p.add_argument(
         "--max-prompt-logprobs-tokens",

@@ -136,7 +136,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         model_name=names[0],
         max_n=args.max_n,
         max_grammar_bytes=args.max_grammar_bytes,
-        max_seqs_per_request=args.max_seqs_per_request or max(1, args.max_num_seqs // 2),
+        max_seqs_per_request=args.max_seqs_per_request or max(args.max_n, args.max_num_seqs // 2),
         max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
         served_model_names=names,
         model_root=args.model,
