@@ -79,6 +79,10 @@ class Server:
                 self.process.wait()
 
 
+def _terminal_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_server(
     model_dir: Path,
     tmp: Path,
@@ -131,6 +135,10 @@ def start_server(
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
         start_new_session=new_session,
+        # As a terminal's shell starts it: Ctrl-C's signal at its default, even where the tests
+        # run in a background job of a non-interactive shell (which starts them ignoring SIGINT,
+        # and a process keeps an ignored SIGINT ignored).
+        preexec_fn=_terminal_signals if new_session else None,
     )
     _OUR_PIDS.add(process.pid)
     server = Server(process, f"http://127.0.0.1:{port}", api_key, log)
