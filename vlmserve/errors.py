@@ -3,6 +3,8 @@ server in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -40,3 +42,14 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+async def send_error(send: Callable[[Any], Awaitable[None]], error: APIError, *, close: bool = False) -> None:
+    """The error as an ASGI app's whole response (for middleware that answers before the app);
+    `close` ends the connection after it (a body left unread)."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

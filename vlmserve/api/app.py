@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -52,6 +51,7 @@ from vlmserve.api.serving_completion import CompletionServing
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.api.web_ui import WEB_PATHS
 from vlmserve.api.web_ui import add_routes as add_web_routes
+from vlmserve.errors import send_error
 from vlmserve.version import __version__
 
 logger = logging.getLogger("vlmserve.api")
@@ -72,16 +72,6 @@ def route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-async def _send_error(send: Callable[[Any], Awaitable[None]], error: APIError, *, close: bool = False) -> None:
-    """The error as the whole response; `close` ends the connection after it (a body left unread)."""
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 MAX_HEADERS = 100
 # Bytes past the body limit read and dropped before a 413 (see read_body): no memory, only time
 # within the read timeout.
@@ -98,10 +88,10 @@ def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
         headers = scope.get("headers", [])
         if len(headers) > MAX_HEADERS or sum(len(n) + len(v) for n, v in headers) > MAX_HEADER_BYTES:
             message = f"request headers are over the limit ({MAX_HEADERS} headers, {MAX_HEADER_BYTES} bytes)"
-            return await _send_error(send, APIError(431, message))
+            return await send_error(send, APIError(431, message))
         for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
-                return await _send_error(send, APIError(413, f"request body is over the {max_bytes}-byte limit"))
+                return await send_error(send, APIError(413, f"request body is over the {max_bytes}-byte limit"))
         return await app(scope, receive, send)
 
     return middleware
@@ -138,26 +128,26 @@ def read_body(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
                         # (httpx, like most clients, sends the whole body before reading).
                         chunks.clear()
                         if not more or seen > max_bytes + DRAIN_BYTES:
-                            return await _send_error(send, too_large, close=True)
+                            return await send_error(send, too_large, close=True)
                         continue
                     chunks.append(chunk)
                     if not more:
                         break
         except TimeoutError:
             if seen > max_bytes:
-                return await _send_error(send, too_large, close=True)
+                return await send_error(send, too_large, close=True)
             error = APIError(
                 408,
                 f"the request body did not arrive within {timeout_s:g} s",
                 code="request_timeout",
                 kind="invalid_request_error",
             )
-            return await _send_error(send, error, close=True)
+            return await send_error(send, error, close=True)
         whole = b"".join(chunks)
         try:  # every route reads its body as JSON: none may nest past the bound (json_limits)
             check_json_limits(whole, max_chars=None)
         except JSONLimitError as e:
-            return await _send_error(send, APIError(400, f"the request body {e}"))
+            return await send_error(send, APIError(400, f"the request body {e}"))
         body: bytes | None = whole
 
         async def replay() -> Any:
@@ -183,9 +173,9 @@ def api_key_auth(app: ASGIApp, api_key: str | None, open_paths: tuple[str, ...] 
             return await app(scope, receive, send)
         given = [value for name, value in scope.get("headers", []) if name == b"authorization"]
         if len(given) > 1:
-            return await _send_error(send, APIError(400, "more than one Authorization header"))
+            return await send_error(send, APIError(400, "more than one Authorization header"))
         if not hmac.compare_digest(given[0] if given else b"", expected):
-            return await _send_error(send, APIError(401, "missing or invalid API key", code="invalid_api_key"))
+            return await send_error(send, APIError(401, "missing or invalid API key", code="invalid_api_key"))
         return await app(scope, receive, send)
 
     return middleware
@@ -202,12 +192,12 @@ def admission(app: ASGIApp, state: Any) -> ASGIApp:
         if path in OPEN_PATHS or not (engine or path in QUEUED_PATHS):
             return await app(scope, receive, send)
         if state.draining:
-            return await _send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
+            return await send_error(send, APIError(503, "the server is shutting down", code="shutting_down"))
         reason = state.client.unavailable_reason
         if engine and reason is not None:
-            return await _send_error(send, APIError(503, reason, code="engine_unavailable"))
+            return await send_error(send, APIError(503, reason, code="engine_unavailable"))
         if state.in_flight >= state.max_queue:
-            return await _send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
+            return await send_error(send, APIError(429, f"the server is at its limit of {state.max_queue} requests"))
         state.in_flight += 1
         try:
             return await app(scope, receive, send)

@@ -25,7 +25,7 @@ import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from vlmserve.errors import APIError
+from vlmserve.errors import APIError, send_error
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -63,13 +63,6 @@ def _header(scope: Scope, name: bytes) -> list[bytes]:
     return [value for key, value in scope.get("headers", []) if key == name]
 
 
-async def _refuse(send: Send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 def host_check(app: ASGIApp, hosts: frozenset[str] | None) -> ASGIApp:
     """400 for a request whose Host is not one of `hosts` (None: no check)."""
     if hosts is None:
@@ -86,7 +79,7 @@ def host_check(app: ASGIApp, hosts: frozenset[str] | None) -> ASGIApp:
                 f"Host header {shown} does not name this server (it answers to {', '.join(sorted(hosts))}); "
                 "a server reached under another name needs --allowed-hosts NAME"
             )
-            return await _refuse(send, APIError(400, message, code="invalid_host"))
+            return await send_error(send, APIError(400, message, code="invalid_host"))
         return await app(scope, receive, send)
 
     return middleware
@@ -113,7 +106,7 @@ def json_only(app: ASGIApp) -> ASGIApp:
         if len(given) != 1 or not is_json(given[0]):
             shown = "none" if not given else "several" if len(given) > 1 else repr(given[0].decode("latin-1"))
             message = f"the request body must be JSON with Content-Type: application/json (got {shown})"
-            return await _refuse(send, APIError(415, message, code="unsupported_media_type"))
+            return await send_error(send, APIError(415, message, code="unsupported_media_type"))
         return await app(scope, receive, send)
 
     return middleware

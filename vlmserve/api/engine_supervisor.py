@@ -93,7 +93,7 @@ class EngineSupervisor:
         self.ready.clear()
         self._spawned_at = time.monotonic()
         self._killed_for = ""
-        # NOTE: a session of its own: a terminal's Ctrl-C goes to the API process's group, not to
+        # NOTE: a POSIX session of its own (setsid): a terminal's Ctrl-C goes to the API process's group, not to
         # the engine (nor its tensor-parallel ranks); the API process drains and then stops it, as
         # on SIGTERM. The engine exits by itself when the API process is gone (its --parent watch).
         self._process = subprocess.Popen(command, start_new_session=True)

@@ -145,6 +145,13 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         **_what_to_ask(args.model),
     )
+    hosts = browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", []))
+    if hosts is None and not getattr(args, "allowed_hosts", []):
+        logger.warning(
+            "bound to every interface (--host %s): any Host header is accepted; give --allowed-hosts NAME ... "
+            "(the names clients use) to refuse the others, and --api-key",
+            args.host,
+        )
     app, asgi = build_app(
         ctx,
         api_key=args.api_key,
@@ -152,7 +159,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         max_queue=args.max_queue,
         read_timeout_s=args.read_timeout,
         web_ui=not args.disable_web_ui,
-        allowed_hosts=browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", [])),
+        allowed_hosts=hosts,
         allowed_origins=[origin for given in getattr(args, "allowed_origins", []) for origin in given],
     )
 
@@ -260,12 +267,6 @@ def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     open_files = connections.raise_open_files_limit()
     sock = sock or bind(args.host, args.port)
     app, asgi, client = build(args)
-    if browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", [])) is None and not args.allowed_hosts:
-        logger.warning(
-            "bound to every interface (--host %s): any Host header is accepted; give --allowed-hosts NAME ... "
-            "(the names clients use) to refuse the others, and --api-key",
-            args.host,
-        )
     asgi = quiet_when_cut_short(asgi, app)
     in_use = connections.open_descriptors()
     max_connections, backlog = connections.connection_limits(args.max_connections, open_files, in_use)
