@@ -2,13 +2,16 @@
 at once (prompts x n, beams too) within --max-seqs-per-request (default half of --max-num-seqs),
 and the prompt tokens it has scored over the whole vocabulary (prompt_logprobs) within
 --max-prompt-logprobs-tokens; past either, a 400 naming the numbers and the flag, and the
-engine never sees it."""
+engine never sees it. Within the bounds, the engine shares its sequences among HTTP requests:
+a plain request does not queue behind another request's sequences."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.api.conftest import Server, start_server
@@ -76,3 +79,45 @@ def test_prompt_logprobs_are_counted_in_prompt_tokens_for_each_sample(server: Se
     status, body = completion(server, prompt=[words, words], prompt_logprobs=1)
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
     assert server.health() == 200
+
+
+def test_a_plain_request_is_not_queued_behind_another_requests_sequences(server: Server) -> None:
+    """H1 and H2 (8 sequences each) fill the 16; H3's 8 wait; then a plain request comes. When H1
+    ends, the plain request (no sequence running) is admitted beside H3's first, long before H2
+    ends. First come first served gave H1's 8 places to H3 and left the plain request waiting for
+    H2 (on the scheduler before: H2 had finished when the plain request was answered)."""
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as client:
+            started = {name: asyncio.Event() for name in ("h1", "h2", "h3")}
+            finished = {name: asyncio.Event() for name in ("h1", "h2", "h3")}
+
+            async def heavy(name: str, max_tokens: int) -> None:
+                body = {"model": "tiny", "prompt": ["a b"] * 8, "max_tokens": max_tokens, "ignore_eos": True}
+                async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+                    assert response.status_code == 200
+                    async for _line in response.aiter_lines():
+                        started[name].set()
+                finished[name].set()
+
+            tasks = [asyncio.create_task(heavy("h1", 400))]
+            await started["h1"].wait()
+            tasks.append(asyncio.create_task(heavy("h2", 1500)))
+            await started["h2"].wait()
+            tasks.append(asyncio.create_task(heavy("h3", 1500)))
+            await asyncio.sleep(0.5)  # H3 queued in the engine
+            h1_running = not finished["h1"].is_set()
+            plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            response = await client.post("/v1/chat/completions", json=plain)
+            assert response.status_code == 200, response.text
+            h2_running = not finished["h2"].is_set()
+            for task in tasks:  # the clients go away: the engine aborts what is left
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return h1_running, finished["h1"].is_set(), h2_running
+
+    pid = server.engine_pid()
+    h1_running_when_sent, _, h2_running = asyncio.run(scenario())
+    assert h1_running_when_sent, "H1 ended before the plain request came: the scenario did not happen"
+    assert h2_running, "the plain request waited for H2's 1500 tokens: it was queued behind H3"
+    assert server.health() == 200 and server.engine_pid() == pid

@@ -15,13 +15,14 @@ def make_request(
     max_tokens: int = 8,
     max_model_len: int = 4096,
     first_token: int = 0,
+    owner: str = "",
 ) -> Request:
     items = [
         MultiModalItem("image", offset, length, (1, 2, 2 * length), h, torch.zeros(4 * length, 8), (1, 1), (1, 1))
         for offset, length, h in images
     ]
     prompt = ProcessedPrompt(list(range(first_token, first_token + num_prompt_tokens)), items, None, 0)
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), frozenset({99999}), max_model_len)
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), frozenset({99999}), max_model_len, owner)
 
 
 def encoder_inputs(out: SchedulerOutput) -> list[tuple[str, int]]:

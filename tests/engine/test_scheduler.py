@@ -369,3 +369,53 @@ def test_without_log_stats_no_events_are_recorded() -> None:
     out = s.schedule()
     (output,) = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 7}))
     assert output.events is None and a.events == []
+
+
+# -- the fair share among owners (the server's HTTP requests) -----------------------------------
+
+
+def test_waiting_requests_are_admitted_from_the_owner_with_the_fewest_running() -> None:
+    s = make_scheduler(max_seqs=4, budget=100)
+    for i in range(4):
+        s.add_request(make_request(f"a{i}", 3, owner="A", first_token=10 * i))
+    s.add_request(make_request("b0", 3, owner="B", first_token=100))
+    s.add_request(make_request("b1", 3, owner="B", first_token=110))
+    # Turn about: A (first to come), B, A, B; first come first served would run a0..a3.
+    assert list(run_step(s).num_scheduled_tokens) == ["a0", "b0", "a1", "b1"]
+    assert [r.request_id for r in s.waiting] == ["a2", "a3"]
+    # A plain request arriving behind a long queue is admitted at the first free sequence.
+    s.add_request(make_request("c", 3, owner="C", first_token=200))
+    s.finish_request("a0", RequestStatus.FINISHED_ABORTED)
+    assert "c" in run_step(s).num_scheduled_tokens and [r.request_id for r in s.waiting] == ["a2", "a3"]
+
+
+def test_a_short_prompt_gets_its_share_of_the_budget_beside_another_owners_long_prefill() -> None:
+    s = make_scheduler(budget=16)
+    s.add_request(make_request("a0", 40, owner="A"))
+    s.add_request(make_request("a1", 40, owner="A", first_token=100))
+    assert list(run_step(s).num_scheduled_tokens.items()) == [("a0", 16)]  # one owner: first come first
+    s.add_request(make_request("b", 6, owner="B", first_token=200))
+    # B asks for less than half the budget: it gets all of it, A the rest.
+    assert dict(run_step(s).num_scheduled_tokens) == {"a0": 10, "b": 6}
+    s.add_request(make_request("c", 30, owner="C", first_token=300))
+    # b decodes (1 token); A and C, both wanting more, split the other 15: C, wanting less (30
+    # against 54), gets the half rounded up.
+    assert dict(run_step(s).num_scheduled_tokens) == {"b": 1, "a0": 7, "c": 8}
+
+
+def test_preemption_takes_the_newest_sequence_of_the_owner_with_the_most_running() -> None:
+    # 8 blocks of 4 tokens; A's three requests and B's one hold 2 blocks each after their 7-token
+    # prompts. When each needs a third block, B (the newest, but holding least) keeps running:
+    # A's newest are preempted, not B.
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64, prefix_caching=False)
+    a = [make_request(f"a{i}", 7, max_tokens=20, owner="A", first_token=10 * i) for i in range(3)]
+    b = make_request("b", 7, max_tokens=20, owner="B", first_token=100)
+    for r in [*a, b]:
+        s.add_request(r)
+    run_step(s)
+    run_step(s)  # token 8 of each: the last slot of block 2
+    assert s.kv.pool.num_free == 0
+    out = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"b", "a0"}
+    assert b.status == RequestStatus.RUNNING and b.num_preemptions == 0
+    assert [r.status for r in a] == [RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.PREEMPTED]

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.api.browser_guard import cors, host_check, json_only
+from vlmserve.api.engine_client import request_owner
 from vlmserve.api.json_limits import JSONLimitError, check_json_limits, loads_bounded
 from vlmserve.api.prompts import PromptBuilder
 from vlmserve.api.protocol import (
@@ -362,8 +363,13 @@ def build_app(
             ],
         }
 
-    async def run_chat(body: ChatCompletionRequest, request: Request) -> Response:
+    def arrived() -> None:
+        """The request being served: when it arrived (its metrics) and who it is (the engine's fair share)."""
         request_arrival.set(time.monotonic())
+        request_owner.set(uuid.uuid4().hex)
+
+    async def run_chat(body: ChatCompletionRequest, request: Request) -> Response:
+        arrived()
         ctx.check_model(body.model)
         parsing = chat_serving.parsing(body)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
@@ -373,7 +379,7 @@ def build_app(
         return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params, parsing)))
 
     async def run_completions(body: CompletionRequest, request: Request) -> Response:
-        request_arrival.set(time.monotonic())
+        arrived()
         ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:

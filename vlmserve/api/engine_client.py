@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncGenerator
+from contextvars import ContextVar
 from pathlib import Path
 
 import msgspec
@@ -49,6 +50,12 @@ from vlmserve.ipc.messages import (
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
+
+# The HTTP request being served, set by its endpoint: the engine shares its steps fairly among
+# these (its prompts, samples and beams are one owner). None: each request is its own owner.
+# NOTE: a context variable, as serving.request_arrival, so that beam search and the data-parallel
+# router pass it on untouched.
+request_owner: ContextVar[str | None] = ContextVar("request_owner", default=None)
 
 logger = logging.getLogger("vlmserve.api")
 
@@ -182,7 +189,9 @@ class EngineClient:
             arrival = time.monotonic() if arrival_time is None else arrival_time
             self.request_stats.add(request_id, child_ids, prompt.num_tokens, max_tokens, arrival)
             children = [params.for_child(i) for i in range(len(child_ids))]
-            await self._push.send(encoder.encode(AddRequest(request_id, child_ids, children, wire_prompt, segments)))
+            owner = request_owner.get() or request_id
+            message = AddRequest(request_id, child_ids, children, wire_prompt, segments, owner)
+            await self._push.send(encoder.encode(message))
             while True:
                 output = await queue.get()
                 if isinstance(output, BaseException):

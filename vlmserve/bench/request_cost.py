@@ -4,8 +4,9 @@
 
 Starts `vlmserve serve MODEL` (float32, max_model_len 4096; from the source tree `--src` if given,
 to compare with another checkout), times a plain 8-token chat request alone (median of 5), then
-sends each heavy request below and, 0.5 s later, three plain ones, and prints what the heavy one
-got and how long each plain one took. The machine is shared: compare within one run."""
+sends each heavy load below (one or more heavy requests at once) and, 0.5 s later, three plain
+requests one after another, and prints what the heavy ones got and how long each plain one took.
+The machine is shared: compare within one run."""
 
 from __future__ import annotations
 
@@ -23,16 +24,23 @@ import httpx
 
 PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
 LONG_PROMPT = " ".join(["word"] * 1000)
-HEAVY: dict[str, dict[str, Any]] = {
-    "beam search, n 8 x 8 prompts (64 sequences)": {
+# name -> (the heavy request, how many of it are sent at once)
+HEAVY: dict[str, tuple[dict[str, Any], int]] = {
+    "beam search, n 8 x 8 prompts (64 sequences)": ({
         "prompt": ["hello"] * 8, "n": 8, "use_beam_search": True, "max_tokens": 48, "ignore_eos": True
-    },
-    "beam search, n 8 x 4 prompts (32 sequences)": {
+    }, 1),
+    "beam search, n 8 x 4 prompts (32 sequences)": ({
         "prompt": ["hello"] * 4, "n": 8, "use_beam_search": True, "max_tokens": 48, "ignore_eos": True
-    },
-    "8 prompts of ~1000 tokens, n 4, prompt_logprobs 20": {
+    }, 1),
+    "8 prompts of ~1000 tokens, n 4, prompt_logprobs 20": ({
         "prompt": [LONG_PROMPT] * 8, "n": 4, "logprobs": 20, "prompt_logprobs": 20, "max_tokens": 8
-    },
+    }, 1),
+    "8 distinct prompts of ~1000 tokens, n 4 (32 sequences, 8,000 prompt tokens)": ({
+        "prompt": [f"{i} {LONG_PROMPT}" for i in range(8)], "n": 4, "max_tokens": 8
+    }, 1),
+    "3 requests of 8 prompts x n 4, 200 tokens (96 sequences for 64 places)": ({
+        "prompt": ["hello"] * 8, "n": 4, "max_tokens": 200, "ignore_eos": True
+    }, 3),
 }  # fmt: skip
 
 
@@ -64,23 +72,26 @@ def run(model: str, port: int, src: Path | None) -> None:
             time.sleep(0.5)
         _plain(url)
         print(f"plain alone: {statistics.median(_plain(url)[1] for _ in range(5)):.3f} s")
-        for name, fields in HEAVY.items():
-            result: dict[str, Any] = {}
+        for name, (fields, copies) in HEAVY.items():
+            results: list[str] = []
 
-            def heavy(fields: dict[str, Any] = fields, result: dict[str, Any] = result) -> None:
+            def heavy(fields: dict[str, Any] = fields, results: list[str] = results) -> None:
                 start = time.monotonic()
                 response = httpx.post(url + "/v1/completions", json={"model": "tiny", **fields}, timeout=300)
                 ok = response.status_code == 200
-                result["answer"] = 200 if ok else f"{response.status_code} {response.json()['error']['message'][:100]}"
-                result["s"] = time.monotonic() - start
+                answer = 200 if ok else f"{response.status_code} {response.json()['error']['message'][:100]}"
+                results.append(f"{answer} in {time.monotonic() - start:.2f} s")
 
-            thread = threading.Thread(target=heavy)
-            thread.start()
+            threads = [threading.Thread(target=heavy) for _ in range(copies)]
+            for thread in threads:
+                thread.start()
+                time.sleep(0.05)  # in this order
             time.sleep(0.5)
             beside = [_plain(url) for _ in range(3)]
-            thread.join(360)
+            for thread in threads:
+                thread.join(360)
             plain = ", ".join(f"{s:.2f} s ({status})" for status, s in beside)
-            print(f"{name}: {result.get('answer')} in {result.get('s', float('nan')):.2f} s; plain beside: {plain}")
+            print(f"{name}: {'; '.join(results)}; plain beside: {plain}")
     finally:
         server.terminate()
         server.wait(60)

@@ -200,15 +200,16 @@ class EngineCore:
     def check_fits(self, prompt: ProcessedPrompt) -> None:
         self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        """One sample (n == 1); the front end fans out n > 1. ValueError: an id in use, or a request
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, owner: str = "") -> None:
+        """One sample (n == 1); the front end fans out n > 1. `owner`: whom the scheduler shares
+        the engine among (see vlmserve.engine.scheduler). ValueError: an id in use, or a request
         that can never fit. One with a grammar not compiled yet is queued once it is (a spec that
         does not compile: take_refused() names it)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
         if request_id in self.structured_outputs.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len)
+        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner)
         if params.structured_outputs is None:
             self.scheduler.add_request(request)
             return

@@ -33,9 +33,13 @@ class Request:
         params: SamplingParams,
         eos_token_ids: frozenset[int],
         max_model_len: int,
+        owner: str = "",
     ) -> None:
         assert params.n == 1, "the engine runs one sample per request; n > 1 is fanned out above it"
         self.request_id = request_id
+        # Whom the scheduler shares the engine among: the server's HTTP request this sequence serves
+        # (its samples, beams and prompts share one), "" for the offline API (one caller).
+        self.owner = owner
         self.prompt_token_ids = prompt.prompt_token_ids
         self.mm_items: list[MultiModalItem] = prompt.mm_items
         self.mrope_positions: torch.Tensor | None = prompt.mrope_positions

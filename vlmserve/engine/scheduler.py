@@ -1,9 +1,21 @@
-"""Token-budget scheduling (the vLLM v1 idea, in our size).
+"""Token-budget scheduling (the vLLM v1 idea, in our size), shared fairly among owners.
 
 There is no prefill or decode phase. Each request knows how many of its tokens are computed;
 each step hands out at most `max_num_batched_tokens` new tokens: running requests first (one
-token for a decoding request, a chunk for one still in its prompt), then waiting requests in
-arrival order. A new request starts after the longest prefix the KV cache already holds.
+token for a decoding request, a chunk for one still in its prompt), then waiting requests. A new
+request starts after the longest prefix the KV cache already holds.
+
+Requests have an owner: in the server, the HTTP request they serve (its n samples, beams and
+prompts share it); the offline API's requests all share one. One owner cannot starve the others:
+- waiting requests are admitted one at a time from the owner with the fewest sequences running
+  (first come first within an owner, and among equals);
+- the step's token budget is split max-min fairly among owners (each gets up to an equal share of
+  what is left, and what an owner cannot use goes to the others), so a short prompt is not held
+  behind another owner's long prefill;
+- when the KV pool runs dry the newest sequence of the owner with the most running is preempted:
+  its blocks are freed and it is recomputed later (prompt and generated tokens, from whatever
+  prefix is still cached).
+With one owner this is plain first-come first-served, preempting the newest.
 
 A chunk may end inside an image's placeholder tokens: the image is encoded when the first chunk
 holding any of its placeholders is scheduled, and its encoder output is kept until the last of
@@ -13,15 +25,14 @@ per-step encoder budget is spent, or the encoder cache is full of images in use)
 The KV cache and any other kind of per-request memory (cache groups) answer through one
 CacheCoordinator: where a prompt may start from cached entries, whether a request may grow, where
 a chunk must end, and what to copy within a group around a step's forward.
-
-When the KV pool runs dry the newest running request is preempted: its blocks are freed and it
-is recomputed later (prompt and generated tokens, from whatever prefix is still cached).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from vlmserve.engine.cache_coordinator import CacheCoordinator
@@ -158,17 +169,25 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         encoder_budget = self.config.max_encoder_tokens_per_step
         preempted = False
+        held = Counter(request.owner for request in self.running)
+        if len(held) > 1:
+            # Smallest holders first (a stable sort: first come first among equals). The victim of a
+            # preemption is the last: the newest sequence of the owner with the most running.
+            self.running.sort(key=lambda request: held[request.owner])
+        admissions = self._admission_order(held)
+        shares = self._token_shares(admissions, budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, budget), encoder_budget)
+            room = min(budget, shares[request.owner])
+            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, room), encoder_budget)
             if n == 0:
                 i += 1
                 continue
             while not self.kv.allocate_slots(request.request_id, start + n):
-                victim = self.running.pop()  # the newest
+                victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -176,24 +195,29 @@ class Scheduler:
             else:
                 self._schedule(out, request, n)
                 budget -= n
+                shares[request.owner] -= n
                 encoder_budget -= encoder_tokens
                 i += 1
                 continue
             break  # the request itself was preempted
 
         # After a preemption the pool is known to be short: admit nobody new this step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        for request in [] if preempted else admissions:
+            if budget <= 0:
+                break
+            room = min(budget, shares[request.owner])
+            if room == 0:
+                continue  # its owner's share is spent; another's may not be
             # Prompt logprobs need every prompt row computed: no prefix-cache hit (as vLLM) until
             # they are sent with the first output token.
             needs_rows = request.params.prompt_logprobs is not None and not request.output_token_ids
             prefix = [] if needs_rows else self.kv.find_cached_prefix(request)
             start = len(prefix) * self.kv.block_size
-            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, budget), encoder_budget)
+            n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, room), encoder_budget)
             if n == 0 or not self.kv.allocate_slots(request.request_id, start + n, prefix):
                 break
             out.copies_before_forward += self.kv.copies_on_admission(request, len(prefix))
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = start
             request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
@@ -202,10 +226,50 @@ class Scheduler:
                 request.record_event(EngineCoreEventType.SCHEDULED)
             self._schedule(out, request, n)
             budget -= n
+            shares[request.owner] -= n
             encoder_budget -= encoder_tokens
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _admission_order(self, held: Counter[str]) -> list[Request]:
+        """The waiting requests this step may admit, in the order to try them: one at a time from
+        the owner with the fewest sequences running (counting those picked before), first come
+        first within an owner and among equals (a preempted request is at the front)."""
+        free = self.config.max_num_seqs - len(self.running)
+        if free <= 0 or not self.waiting:
+            return []
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.owner, deque()).append(request)
+        if len(queues) == 1:
+            return list(itertools.islice(self.waiting, free))
+        heap = [(held[owner], first, owner) for first, owner in enumerate(queues)]
+        heapq.heapify(heap)
+        order: list[Request] = []
+        while heap and len(order) < free:
+            count, first, owner = heapq.heappop(heap)
+            queue = queues[owner]
+            order.append(queue.popleft())
+            if queue:
+                heapq.heappush(heap, (count + 1, first, owner))
+        return order
+
+    def _token_shares(self, admissions: list[Request], budget: int) -> dict[str, int]:
+        """Each owner's most tokens this step: the budget split max-min fairly over what each could
+        compute (its running requests' uncomputed tokens and the prompts it may start), the
+        smallest demands served whole first and the rest split evenly."""
+        demand: Counter[str] = Counter()
+        for request in self.running:
+            demand[request.owner] += request.num_tokens - request.num_computed_tokens
+        for request in admissions:
+            demand[request.owner] += request.num_tokens
+        shares = {}
+        owners = sorted(demand, key=demand.__getitem__)
+        for k, owner in enumerate(owners):
+            shares[owner] = min(demand[owner], -(-budget // (len(owners) - k)))  # an even share, rounded up
+            budget -= shares[owner]
+        return shares
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
         """The most tokens to compute from `start`: the rest, within the budget, as far as the
