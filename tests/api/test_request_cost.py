@@ -82,42 +82,40 @@ def test_prompt_logprobs_are_counted_in_prompt_tokens_for_each_sample(server: Se
 
 
 def test_a_plain_request_is_not_queued_behind_another_requests_sequences(server: Server) -> None:
-    """H1 and H2 (8 sequences each) fill the 16; H3's 8 wait; then a plain request comes. When H1
-    ends, the plain request (no sequence running) is admitted beside H3's first, long before H2
-    ends. First come first served gave H1's 8 places to H3 and left the plain request waiting for
-    H2 (on the scheduler before: H2 had finished when the plain request was answered)."""
+    """H1 and H2 (8 sequences each, 1,500 tokens) take all 16 places; H3's 8 wait; then a plain
+    request comes. It has nothing running, so the newest sequence of a request running the most
+    makes room for it: it is answered while H1 and H2 still run. First come first served left it
+    behind H3 until H1 and H2 ended (on the scheduler before, H1 had finished when it was
+    answered)."""
 
-    async def scenario() -> tuple[bool, bool, bool]:
+    async def scenario() -> tuple[bool, bool]:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as client:
             started = {name: asyncio.Event() for name in ("h1", "h2", "h3")}
             finished = {name: asyncio.Event() for name in ("h1", "h2", "h3")}
 
-            async def heavy(name: str, max_tokens: int) -> None:
-                body = {"model": "tiny", "prompt": ["a b"] * 8, "max_tokens": max_tokens, "ignore_eos": True}
+            async def heavy(name: str) -> None:
+                body = {"model": "tiny", "prompt": ["a b"] * 8, "max_tokens": 1500, "ignore_eos": True}
                 async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
                     assert response.status_code == 200
                     async for _line in response.aiter_lines():
                         started[name].set()
                 finished[name].set()
 
-            tasks = [asyncio.create_task(heavy("h1", 400))]
+            tasks = [asyncio.create_task(heavy("h1"))]
             await started["h1"].wait()
-            tasks.append(asyncio.create_task(heavy("h2", 1500)))
+            tasks.append(asyncio.create_task(heavy("h2")))
             await started["h2"].wait()
-            tasks.append(asyncio.create_task(heavy("h3", 1500)))
+            tasks.append(asyncio.create_task(heavy("h3")))
             await asyncio.sleep(0.5)  # H3 queued in the engine
-            h1_running = not finished["h1"].is_set()
             plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
             response = await client.post("/v1/chat/completions", json=plain)
             assert response.status_code == 200, response.text
-            h2_running = not finished["h2"].is_set()
+            running = not finished["h1"].is_set(), not finished["h2"].is_set()
             for task in tasks:  # the clients go away: the engine aborts what is left
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            return h1_running, finished["h1"].is_set(), h2_running
+            return running
 
     pid = server.engine_pid()
-    h1_running_when_sent, _, h2_running = asyncio.run(scenario())
-    assert h1_running_when_sent, "H1 ended before the plain request came: the scenario did not happen"
-    assert h2_running, "the plain request waited for H2's 1500 tokens: it was queued behind H3"
+    assert asyncio.run(scenario()) == (True, True), "the plain request waited for H1 or H2 to end"
     assert server.health() == 200 and server.engine_pid() == pid

@@ -419,3 +419,23 @@ def test_preemption_takes_the_newest_sequence_of_the_owner_with_the_most_running
     assert set(out.num_scheduled_tokens) == {"b", "a0"}
     assert b.status == RequestStatus.RUNNING and b.num_preemptions == 0
     assert [r.status for r in a] == [RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.PREEMPTED]
+
+
+def test_a_newcomer_finding_every_place_taken_gets_one_from_the_largest_holder() -> None:
+    s = make_scheduler(max_seqs=3, budget=100)
+    for i in range(3):
+        s.add_request(make_request(f"a{i}", 3, max_tokens=50, owner="A", first_token=10 * i))
+    s.add_request(make_request("a3", 3, max_tokens=50, owner="A", first_token=40))  # A's own: it waits
+    run_step(s)
+    assert len(s.running) == 3 and [r.request_id for r in s.waiting] == ["a3"]
+    run_step(s)
+    assert s.num_preemptions == 0  # an owner's own queue never preempts it
+    s.add_request(make_request("b", 3, max_tokens=2, owner="B", first_token=100))
+    out = run_step(s)
+    # A's newest running sequence made room: b runs now, not when A's 50-token sequences end.
+    assert "b" in out.num_scheduled_tokens and s.requests["a2"].status == RequestStatus.PREEMPTED
+    assert [r.request_id for r in s.waiting] == ["a2", "a3"]
+    run_step(s)  # b's second and last token
+    assert "b" not in s.requests
+    out = run_step(s)
+    assert "a2" in out.num_scheduled_tokens  # the preempted one resumes first

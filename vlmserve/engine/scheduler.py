@@ -14,7 +14,8 @@ prompts share it); the offline API's requests all share one. One owner cannot st
   behind another owner's long prefill;
 - when the KV pool runs dry the newest sequence of the owner with the most running is preempted:
   its blocks are freed and it is recomputed later (prompt and generated tokens, from whatever
-  prefix is still cached).
+  prefix is still cached); so it is too when every place (max_num_seqs) is taken and an owner
+  waits with nothing running: a request never waits for another's long sequences to end.
 With one owner this is plain first-come first-served, preempting the newest.
 
 A chunk may end inside an image's placeholder tokens: the image is encoded when the first chunk
@@ -174,6 +175,7 @@ class Scheduler:
             # Smallest holders first (a stable sort: first come first among equals). The victim of a
             # preemption is the last: the newest sequence of the owner with the most running.
             self.running.sort(key=lambda request: held[request.owner])
+        self._make_room_for_newcomers(held)
         admissions = self._admission_order(held)
         shares = self._token_shares(admissions, budget)
 
@@ -231,6 +233,23 @@ class Scheduler:
         out.free_encoder_hashes = self.encoder_cache.take_freed()
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _make_room_for_newcomers(self, held: Counter[str]) -> None:
+        """Every place taken while an owner waits with nothing running: the newest sequence of the
+        owner running the most (two or more) is preempted to make room for it, once for each such
+        owner, so that no request waits for another's long sequences to end. (The victim resumes
+        from its cached prefix when a place frees.)"""
+        if len(self.running) < self.config.max_num_seqs:
+            return
+        newcomers = {request.owner for request in self.waiting if not held[request.owner]}
+        for _ in newcomers:
+            victim = self.running[-1]
+            if held[victim.owner] < 2:
+                return
+            self.running.pop()
+            self._preempt(victim)
+            held[victim.owner] -= 1
+            self.running.sort(key=lambda request: held[request.owner])
 
     def _admission_order(self, held: Counter[str]) -> list[Request]:
         """The waiting requests this step may admit, in the order to try them: one at a time from
