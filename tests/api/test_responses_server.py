@@ -39,6 +39,7 @@ WEATHER_PARAMETERS = {
     "additionalProperties": False,
 }
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather", "parameters": WEATHER_PARAMETERS}
+JSON_OBJECT = {"format": {"type": "json_object"}}
 CHAT_WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER_PARAMETERS},
@@ -375,6 +376,16 @@ def test_the_store_keeps_the_most_recent_and_names_an_evicted_id(tool_server: Se
         ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"max_output_tokens": 100_000}, "max_output_tokens", "max_output_tokens must be at most 4095"),
+        (
+            {
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            "tool_choice",
+            "cannot be combined with structured outputs",
+        ),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(server: Server, extra: dict, param: str, words: str) -> None:

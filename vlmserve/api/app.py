@@ -400,7 +400,7 @@ def build_app(
         request_arrival.set(time.monotonic())
         ctx.check_model(body.model)
         run = responses_serving.prepare(body)
-        prompt, params = await _until_disconnected(request, prompt_builder.chat(run.chat))
+        prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
         if body.stream:
             return StreamingResponse(responses_serving.stream(run, prompt, params), media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, responses_serving.create(run, prompt, params)))

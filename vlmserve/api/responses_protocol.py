@@ -216,7 +216,7 @@ class ResponsesRequest(BaseModel):
         try:
             return ChatCompletionRequest.model_validate(body)
         except APIError as e:
-            raise _renamed(e) from None
+            raise renamed(e) from None
         except ValidationError as e:
             first_error = e.errors()[0]
             loc = [str(x) for x in first_error["loc"]]
@@ -231,12 +231,14 @@ class ResponsesRequest(BaseModel):
         return self.tool_choice or "auto"
 
 
-def _renamed(e: APIError) -> APIError:
-    """A chat request's error named in the Responses fields."""
+def renamed(e: APIError) -> APIError:
+    """A chat request's error named in the Responses fields (the message too, where it starts
+    with the chat field's name)."""
     param = e.param.split(".", 1)[0] if e.param else None
     if param in _RESPONSES_NAME and _RESPONSES_NAME[param] != param:
         name = _RESPONSES_NAME[param]
-        e.message = e.message.replace(param, name, 1) if e.message.startswith(param) else e.message
+        if e.message.startswith(param):
+            e.message = name + e.message[len(param) :]
         e.param = name
     return e
 

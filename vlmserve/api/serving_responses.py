@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.api.chat_output import ChatParsing
+from vlmserve.api.prompts import PromptBuilder
 from vlmserve.api.protocol import APIError, ChatCompletionRequest
 from vlmserve.api.reasoning import ThinkReasoningParser
 from vlmserve.api.response_store import ResponseStore
 from vlmserve.api.responses import extension
 from vlmserve.api.responses_output import Event, OutputWriter, response_usage, whole_output
-from vlmserve.api.responses_protocol import ResponsesRequest
+from vlmserve.api.responses_protocol import ResponsesRequest, renamed
 from vlmserve.api.serving import EngineServing, ServingContext
 from vlmserve.api.serving_chat import ChatServing
 from vlmserve.api.streaming import SentChoices
@@ -66,6 +67,13 @@ class ResponsesServing(EngineServing):
         chat = body.chat_request(conversation, first=len(history))
         parsing = self.chat_serving.parsing(chat)
         return ResponseRun(body, conversation, chat, parsing, f"resp_{uuid.uuid4().hex}", int(time.time()))
+
+    async def prompt(self, prompt_builder: PromptBuilder, run: ResponseRun) -> tuple[ProcessedPrompt, SamplingParams]:
+        """The chat request's prompt and sampling params, its errors named in the Responses fields."""
+        try:
+            return await prompt_builder.chat(run.chat)
+        except APIError as e:
+            raise renamed(e) from None
 
     async def create(self, run: ResponseRun, prompt: ProcessedPrompt, params: SamplingParams) -> dict[str, Any]:
         final = await self._last(run.response_id, prompt, params)
