@@ -309,9 +309,10 @@ def conversation_messages(items: list[Any], first: int = 0) -> list[dict[str, An
         last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            given = item.get("role")
+            role = ROLES.get(given) if isinstance(given, str) else None
             if role is None:
-                shown = str(item.get("role"))[:40]
+                shown = str(given)[:40]
                 raise APIError(
                     400, f"{where}.role must be user, system, developer or assistant, not {shown!r}", "input"
                 )
