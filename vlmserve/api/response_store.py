@@ -37,8 +37,10 @@ class ResponseStore:
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Keep `response` (by its id), evicting the oldest past either bound; one larger than
         the byte bound alone is not kept (a later lookup says so)."""
-        nbytes = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
-        if nbytes > self.max_bytes or self.max_entries == 0:
+        if self.max_entries == 0:
+            return
+        nbytes = len(json.dumps(response)) + len(json.dumps(conversation))  # ASCII: characters are bytes
+        if nbytes > self.max_bytes:
             logger.warning(
                 "response %s (%d bytes) not stored: over the store's %d-byte bound (--responses-store-max-bytes)",
                 response["id"],

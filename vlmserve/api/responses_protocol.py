@@ -15,7 +15,6 @@ Input items served (each named `input[i]` in errors):
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
@@ -359,8 +358,3 @@ def conversation_messages(items: list[Any], first: int = 0) -> list[dict[str, An
                 "input",
             )
     return messages
-
-
-def stored_size(*values: Any) -> int:
-    """Bytes of `values` as JSON: what a stored response is counted as."""
-    return sum(len(json.dumps(v, ensure_ascii=False)) for v in values)
