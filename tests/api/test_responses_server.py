@@ -213,6 +213,14 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
         client.responses.retrieve(first.id)
 
 
+def test_unset_sampling_fields_are_the_checkpoints_defaults(server: Server, tiny_dir: Path) -> None:
+    defaults = json.loads((tiny_dir / "generation_config.json").read_text())
+    r = server.post("/v1/responses", {"input": "hi", "max_output_tokens": 1, "store": False}).json()
+    assert (r["temperature"], r["top_p"]) == (defaults["temperature"], defaults["top_p"])
+    r = server.post("/v1/responses", {"input": "hi", "max_output_tokens": 1, "store": False, "top_p": 0.5}).json()
+    assert (r["temperature"], r["top_p"]) == (defaults["temperature"], 0.5)
+
+
 def test_an_unknown_previous_response_id_is_a_404_naming_it(server: Server) -> None:
     r = server.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_nope"})
     assert r.status_code == 404, r.text

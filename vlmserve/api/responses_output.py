@@ -64,10 +64,6 @@ class OutputWriter:
             events += self._start(_message(""))
         return events + self._close(status)
 
-    @property
-    def called(self) -> bool:
-        return any(item["type"] == "function_call" for item in self.items)
-
     def _add_text(self, kind: str, text: str) -> list[Event]:
         events = []
         if self._open is None or self._open["type"] != kind:
