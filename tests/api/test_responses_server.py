@@ -85,10 +85,10 @@ def test_an_image_request_runs_as_the_chat_request(client: openai.OpenAI, server
     """instructions + input_text + input_image (detail low, 1024x1024): the chat prompt and the
     chat endpoint's greedy answer; the image takes the low budget's 256 tokens."""
     image = data_url(picture(5, (1024, 1024)))
-    response = client.responses.create(
-        model="tiny",
-        instructions="Answer in one word.",
-        input=[
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "instructions": "Answer in one word.",
+        "input": [
             {
                 "role": "user",
                 "content": [
@@ -97,10 +97,11 @@ def test_an_image_request_runs_as_the_chat_request(client: openai.OpenAI, server
                 ],
             }
         ],
-        max_output_tokens=5,
-        temperature=0,
-        store=False,
-    )
+        "max_output_tokens": 5,
+        "temperature": 0,
+        "store": False,
+    }
+    response = client.responses.create(**request)
     messages = [
         {"role": "system", "content": "Answer in one word."},
         {
@@ -121,6 +122,15 @@ def test_an_image_request_runs_as_the_chat_request(client: openai.OpenAI, server
     assert response.status == ("incomplete" if cut else "completed")
     assert (response.incomplete_details is not None) == cut
     assert response.temperature == 0 and response.instructions == "Answer in one word."
+    # Streamed: the same answer, its last event the response as a whole.
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+    last = events[-1]
+    assert last.type == ("response.incomplete" if cut else "response.completed")
+    assert last.response.output_text == response.output_text  # type: ignore[union-attr]
+    streamed_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed_text == response.output_text
+    assert last.response.usage.model_extra["multimodal_tokens"] == response.usage.model_extra["multimodal_tokens"]  # type: ignore[union-attr]
     # store false: not kept
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
