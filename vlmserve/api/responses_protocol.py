@@ -219,8 +219,10 @@ class ResponsesRequest(BaseModel):
         except ValidationError as e:
             first_error = e.errors()[0]
             loc = [str(x) for x in first_error["loc"]]
-            param = _RESPONSES_NAME.get(loc[0], loc[0]) if loc else None
-            raise APIError(400, f"{'.'.join([param or '', *loc[1:]])}: {first_error['msg']}", param) from None
+            if not loc:
+                raise APIError(400, str(first_error["msg"])) from None
+            param = _RESPONSES_NAME.get(loc[0], loc[0])
+            raise APIError(400, f"{'.'.join([param, *loc[1:]])}: {first_error['msg']}", param) from None
 
     @property
     def tool_choice_shown(self) -> Any:
