@@ -225,6 +225,11 @@ def answered_well(response: httpx.Response | schemathesis.Response, body: object
     assert status == 200, (body, status)
     if "text/event-stream" in str(response.headers.get("content-type")):  # schemathesis': a list
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        if events and json.loads(events[0]).get("type") == "response.created":  # /v1/responses: typed events
+            for event in map(json.loads, events):
+                assert event["type"].startswith("response.") or event["type"] == "error", (body, event)
+                assert event.get("code") != "internal_error", (body, event)
+            return
         assert events and events[-1] == "[DONE]", (body, response.text[-500:])
         for event in map(json.loads, events[:-1]):
             if "error" in event:
@@ -239,7 +244,10 @@ def answered_well(response: httpx.Response | schemathesis.Response, body: object
         return
     if set(answer) in ({"prompt"}, {"status"}):  # /detokenize, /ping
         return
-    assert answer["object"] in ("chat.completion", "text_completion"), (body, answer)
+    assert answer["object"] in ("chat.completion", "text_completion", "response"), (body, answer)
+    if answer["object"] == "response":
+        assert answer["status"] in ("completed", "incomplete") and answer["output"], answer
+        return
     assert answer["choices"] and all(c["finish_reason"] in ("stop", "length") for c in answer["choices"]), answer
     assert answer["usage"]["completion_tokens"] >= len(answer["choices"]), answer
 
@@ -250,13 +258,16 @@ def _bounded(body: object, model: str | None, max_n: int = 8, max_model_len: int
     so left as they are). With `model`, a string model becomes that name (the served one)."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # the last: /v1/responses'
+    for key in keys:
         value = body.get(key)
         count = _count(value)
         if count is not None and 3 < count < max_model_len:
             body[key] = type(value)(3)  # as its own type: 3.0, "3"
-    if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
+    if all(body.get(key) is None for key in keys):
         body["max_tokens"] = 3  # not up to the context limit
+        if "input" in body:
+            body["max_output_tokens"] = 3
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and 2 < n <= max_n:
         body["n"] = 2

@@ -1,7 +1,8 @@
 """The FastAPI application of the API process.
 
 Routes: GET / (the chat page, web_ui.py; off with --disable-web-ui), POST /v1/chat/completions,
-POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/{id} (serving_responses.py),
+GET /v1/models, GET /health, GET /metrics,
 and vLLM's: POST /tokenize, POST /detokenize, POST /invocations (SageMaker's: a chat or a
 completions body, told apart by its shape), GET|POST /ping, GET /version, GET /load. Paths are
 matched below the ASGI root_path (`--root-path`, for a proxy that serves the API under a prefix).
@@ -46,9 +47,12 @@ from vlmserve.api.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from vlmserve.api.response_store import ResponseStore
+from vlmserve.api.responses_protocol import ResponsesRequest
 from vlmserve.api.serving import ServingContext, request_arrival
 from vlmserve.api.serving_chat import ChatServing
 from vlmserve.api.serving_completion import CompletionServing
+from vlmserve.api.serving_responses import ResponsesServing
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.api.web_ui import WEB_PATHS
 from vlmserve.api.web_ui import add_routes as add_web_routes
@@ -272,6 +276,9 @@ def build_app(
     prompt_builder = PromptBuilder(ctx)
     chat_serving = ChatServing(ctx)
     completion_serving = CompletionServing(ctx)
+    responses_serving = ResponsesServing(
+        ctx, ResponseStore(ctx.responses_store_max_entries, ctx.responses_store_max_bytes)
+    )
     created = int(time.time())
     app.state.client = ctx.client
     app.state.draining = False
@@ -393,6 +400,25 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await run_completions(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        request_arrival.set(time.monotonic())
+        ctx.check_model(body.model)
+        run = responses_serving.prepare(body)
+        prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
+        if body.stream:
+            return StreamingResponse(responses_serving.stream(run, prompt, params), media_type="text/event-stream")
+        return JSONResponse(await _until_disconnected(request, responses_serving.create(run, prompt, params)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses_serving.store.get(response_id, "response_id").response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        responses_serving.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

@@ -213,6 +213,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-queue", type=positive_int, default=256, help="requests in flight before 429")
     p.add_argument(
+        "--responses-store-max-entries",
+        type=non_negative_int,
+        default=1024,
+        metavar="N",
+        help="Responses API: the most recent responses kept for GET and previous_response_id (0: none kept)",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=positive_int,
+        default=256 << 20,
+        metavar="BYTES",
+        help="Responses API: the bytes the kept responses and their conversations may take (as JSON); "
+        "the oldest are dropped first",
+    )
+    p.add_argument(
         "--read-timeout",
         type=positive_float,
         default=30.0,

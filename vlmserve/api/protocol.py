@@ -20,6 +20,7 @@ from vlmserve.api.tool_calling import (
     forced_tool_schema,
 )
 from vlmserve.errors import APIError
+from vlmserve.multimodal.image import DETAILS
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
 from vlmserve.processor.chat import MAX_ROLE_LENGTH, MAX_UUID_LENGTH, SIZING_KEYS
 from vlmserve.sampling_params import (
@@ -98,7 +99,12 @@ CONTENT_PART_SCHEMA: dict[str, Any] = {
     "anyOf": [
         {"type": "string"},
         _part("text", {"type": "string"}, {}, {}),
-        _part("image_url", _object({"url": _MEDIA_SOURCE, **_SIZING}, ["url"], _SIZING_RULES), _SIZING, _SIZING_RULES),
+        _part(
+            "image_url",
+            _object({"url": _MEDIA_SOURCE, "detail": {"enum": list(DETAILS)}, **_SIZING}, ["url"], _SIZING_RULES),
+            _SIZING,
+            _SIZING_RULES,
+        ),
         _part("image", _MEDIA_SOURCE, _SIZING, _SIZING_RULES),
         _part(
             "video_url",

@@ -34,17 +34,21 @@ def usage(prompt: ProcessedPrompt, output: RequestOutput) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": len(output.prompt_token_ids) + completion,
         "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
-        # Extension: each image's placeholder tokens and the size the model saw it at.
-        "multimodal_tokens": [
-            {
-                "modality": item.modality,
-                "tokens": item.length,
-                "original_size": list(item.original_size),
-                "resized_size": list(item.resized_size),
-            }
-            for item in prompt.mm_items
-        ],
+        "multimodal_tokens": multimodal_tokens(prompt),
     }
+
+
+def multimodal_tokens(prompt: ProcessedPrompt) -> list[dict[str, Any]]:
+    """The usage's extension: each image's placeholder tokens and the size the model saw it at."""
+    return [
+        {
+            "modality": item.modality,
+            "tokens": item.length,
+            "original_size": list(item.original_size),
+            "resized_size": list(item.resized_size),
+        }
+        for item in prompt.mm_items
+    ]
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -143,6 +143,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        responses_store_max_entries=getattr(args, "responses_store_max_entries", 1024),
+        responses_store_max_bytes=getattr(args, "responses_store_max_bytes", 256 << 20),
         **_what_to_ask(args.model),
     )
     hosts = browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", []))

@@ -58,6 +58,9 @@ class ServingContext:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # The Responses API's store (response_store.py): the most recent responses kept, and their bytes.
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 256 << 20
     # Media sent with a uuid, reusable by it (vLLM's media uuids).
     media_uuids: MediaUUIDCache = field(default_factory=MediaUUIDCache)
     # What /v1/models tells a client the model can be asked (the chat page's empty conversation):

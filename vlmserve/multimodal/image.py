@@ -13,6 +13,7 @@ temporal patch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -102,14 +103,31 @@ class ImageProcessorConfig:
         )
 
 
+# OpenAI's image `detail`: "low" is a budget of LOW_DETAIL_TOKENS tokens (LOW_DETAIL_TOKENS *
+# (patch_size * merge_size)^2 pixels: 448x448 for Qwen2-VL and Qwen2.5-VL's 28-pixel tokens,
+# 512x512 for Qwen3-VL and Qwen3.5's 32-pixel ones, OpenAI's own low-detail size); "high" and
+# "original" the server's max_pixels; "auto" the defaults (the server's min_pixels and max_pixels,
+# so the same budget as "high").
+LOW_DETAIL_TOKENS = 256
+DETAILS = ("low", "high", "auto", "original")
+
+
 @dataclass(frozen=True)
 class ImageSizing:
-    """Per-item resize options in qwen-vl-utils' vocabulary; None means the processor default."""
+    """Per-item resize options in qwen-vl-utils' vocabulary; None means the processor default.
+    `detail` (OpenAI's) chooses the default budget; min_pixels, max_pixels and an explicit size
+    win over it."""
 
     min_pixels: int | None = None
     max_pixels: int | None = None
     resized_height: int | None = None
     resized_width: int | None = None
+    detail: str | None = None
+
+    @property
+    def resizes(self) -> bool:
+        """Whether an option other than `detail` (a hint a fixed-size family may ignore) is given."""
+        return dataclasses.replace(self, detail=None) != ImageSizing()
 
 
 def check_sizing(sizing: ImageSizing, cfg: ImageProcessorConfig) -> None:
@@ -134,8 +152,14 @@ def target_size(width: int, height: int, cfg: ImageProcessorConfig, sizing: Imag
     """(resized_height, resized_width) for an image of `width` x `height`; sizing held to
     check_sizing."""
     check_sizing(sizing, cfg)
-    min_pixels = sizing.min_pixels if sizing.min_pixels is not None else cfg.min_pixels
-    max_pixels = sizing.max_pixels if sizing.max_pixels is not None else cfg.max_pixels
+    default_min, default_max = cfg.min_pixels, cfg.max_pixels
+    if sizing.detail == "low":
+        default_max = min(LOW_DETAIL_TOKENS * cfg.factor**2, cfg.max_pixels)
+        # A min_pixels of the item's own wins over the budget (qwen-vl-utils' keys win over detail).
+        default_max = max(default_max, sizing.min_pixels or 0)
+        default_min = min(default_min, default_max)
+    min_pixels = sizing.min_pixels if sizing.min_pixels is not None else default_min
+    max_pixels = sizing.max_pixels if sizing.max_pixels is not None else default_max
     if sizing.resized_height is not None and sizing.resized_width is not None:
         # qwen-vl-utils: an explicit size is only rounded to the patch grid.
         return smart_resize(sizing.resized_height, sizing.resized_width, cfg.factor, min_pixels, max_pixels)

@@ -1,7 +1,7 @@
 """Chat messages in the two shapes users send, OpenAI's and qwen-vl-utils', reduced to what the
 chat template renders plus the lists of images and of videos in order.
 
-OpenAI:          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+OpenAI:          {"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "low"}}
                  {"type": "video_url", "video_url": {"url": "https://.../a.mp4"}}
 qwen-vl-utils:   {"type": "image", "image": "file:///a.jpg", "max_pixels": 200704}
                  {"type": "video", "video": "file:///a.mp4" or [frame, ...], "fps": 1, "max_pixels": ...}
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmserve.multimodal.image import ImageSizing
+from vlmserve.multimodal.image import DETAILS, ImageSizing
 from vlmserve.multimodal.video import VideoOptions
 from vlmserve.processor.base import ImageInput, VideoInput
 
@@ -47,7 +47,10 @@ def _sizing(part: dict[str, Any], label: str) -> ImageSizing:
             values[key] = value
     if ("resized_height" in values) != ("resized_width" in values):
         raise ValueError(f"{label}: resized_height and resized_width must be given together")
-    return ImageSizing(**values)
+    detail = part.get("detail")
+    if detail is not None and detail not in DETAILS:
+        raise ValueError(f"{label}: detail must be one of {', '.join(DETAILS)}, got {str(detail)[:40]!r}")
+    return ImageSizing(**values, detail=detail)
 
 
 def _source_and_options(part: dict[str, Any], kind: str) -> tuple[object, dict[str, Any]]:

@@ -21,7 +21,8 @@ from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.video import FILE_ONLY_OPTIONS, OPTION_KEYS, VideoOptions
 from vlmserve.processor.base import ImageInput, VideoInput
 
-IMAGE_KEYS = tuple(f.name for f in dataclasses.fields(ImageSizing))
+# `detail` is a content part's own (OpenAI's), not a request-wide option.
+IMAGE_KEYS = tuple(f.name for f in dataclasses.fields(ImageSizing) if f.name != "detail")
 # vLLM's loader option -> the qwen-vl-utils option it sets.
 MEDIA_IO_KEYS: dict[str, dict[str, str]] = {"image": {}, "video": {"num_frames": "nframes", "fps": "fps"}}
 _FRAME_CHOICE = ("fps", "nframes")

@@ -48,7 +48,7 @@ from PIL import Image
 from vlmserve.families.qwen_vl.model import ntk_alpha
 from vlmserve.families.qwen_vl.tokenizer import IMG_TOKEN_SPAN, QwenVLTokenizer
 from vlmserve.multimodal import handles
-from vlmserve.multimodal.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSizing
+from vlmserve.multimodal.image import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_pixels, open_lazily, oriented_size
 from vlmserve.processor.base import ImageInput, ProcessorLimits, VideoInput
@@ -330,7 +330,7 @@ class QwenVLProcessor(QwenVLProcessingInfo):
                 f"(the first one over: {images[limit].label})"
             )
         for image, (offset, _) in zip(images, spans, strict=True):
-            if image.sizing != ImageSizing():
+            if image.sizing.resizes:
                 raise ValueError(
                     f"{image.label}: Qwen-VL-Chat resizes every image to {IMAGE_SIZE}x{IMAGE_SIZE}; "
                     "min_pixels, max_pixels, resized_height and resized_width do not apply"
