@@ -403,7 +403,7 @@ def build_app(
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        request_arrival.set(time.monotonic())
+        arrived()
         ctx.check_model(body.model)
         run = responses_serving.prepare(body)
         prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
