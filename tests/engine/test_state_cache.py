@@ -72,7 +72,7 @@ def test_a_model_without_state_has_no_group() -> None:
 def _prefill_and_save(kv: CacheCoordinator, req: Request) -> int | None:
     """What the scheduler and runner do for a prompt: compute up to the save point, reserve a
     state slot there, then (the step succeeded) commit. Returns the reserved slot."""
-    save_at = kv.groups[0].save_point(req)
+    save_at = kv.groups[0].save_points(req)[-1]
     assert kv.allocate_slots(req.request_id, req.num_tokens)
     assert kv.chunk_end(req, 0, req.num_tokens) == save_at  # a chunk ends at the save point
     copies = kv.copies_after_step(req, save_at)
@@ -85,7 +85,7 @@ def test_a_prefix_is_reused_only_up_to_a_block_whose_state_is_cached() -> None:
     kv = caches(16, running=2, cached=2)
     assert kv.enable_prefix_caching
     a = request("a", 14)  # blocks [0, 4) [4, 8) [8, 12) full; the last a repeat could reuse ends at 12
-    assert kv.groups[0].save_point(a) == 12
+    assert kv.groups[0].save_points(a) == [12]
     assert _prefill_and_save(kv, a) == 2  # the cached-state slots follow the running ones
     kv.free("a")
     # The same prompt: all three blocks, and the state at token 12 copied into its slot.
@@ -102,7 +102,7 @@ def test_a_prefix_is_reused_only_up_to_a_block_whose_state_is_cached() -> None:
     )
     assert kv.find_cached_prefix(shorter) == []
     # A prompt exactly 12 tokens long saves at 8 (one token is always left to compute).
-    assert kv.groups[0].save_point(request("twelve", 12)) == 8
+    assert kv.groups[0].save_points(request("twelve", 12)) == [8]
 
 
 def test_a_save_becomes_an_entry_only_when_its_step_succeeded_and_entries_age_out() -> None:
@@ -139,3 +139,51 @@ def test_a_save_becomes_an_entry_only_when_its_step_succeeded_and_entries_age_ou
     assert len(kv.find_cached_prefix(prompts[0])) == 2 and len(kv.find_cached_prefix(prompts[2])) == 2
     # A state cached already is not saved twice.
     assert kv.allocate_slots("p0", 9) and kv.copies_after_step(prompts[0], 8) == []
+
+
+def _ids_request(request_id: str, ids: list[int]) -> Request:
+    prompt = ProcessedPrompt(prompt_token_ids=ids, mm_items=[], mrope_positions=None, mrope_delta=0)
+    return Request(request_id, prompt, SamplingParams(max_tokens=4), frozenset(), 1 << 16)
+
+
+END = 7  # the end-of-turn token of these tests
+
+
+def test_save_points_at_message_ends_every_interval_and_the_last_full_block() -> None:
+    groups = [SlotGroupSpec(100, 2, 8)]
+    kv = CacheCoordinator.build(64, 4, True, groups, state_save_interval=9, message_end_token_ids={END})
+    ids = [100 + i for i in range(30)]
+    ids[5] = ids[12] = ids[21] = END  # three messages end: after tokens 5, 12 and 21
+    # The first message's end (6 -> 4), the last one's (22 -> 20), every 8 (9 rounded down to
+    # blocks of 4), the last full block before the last token (28); the middle end (13) is not one.
+    group = kv.groups[0]
+    assert group.save_points(_ids_request("a", ids)) == [4, 8, 16, 20, 24, 28]
+    # A chunk ends at each, and a save follows each chunk that ends there.
+    a = _ids_request("a", ids)
+    assert kv.allocate_slots("a", 30)
+    assert kv.chunk_end(a, 0, 30) == 4 and kv.chunk_end(a, 4, 30) == 4 and kv.chunk_end(a, 8, 2) == 2
+    assert kv.copies_after_step(a, 8) == [(0, 0, 2)] and kv.copies_after_step(a, 12) == []
+    # Off by interval: message ends and the last full block only.
+    no_interval = CacheCoordinator.build(64, 4, True, [SlotGroupSpec(100, 2, 8)], message_end_token_ids={END})
+    assert no_interval.groups[0].save_points(_ids_request("b", ids)) == [4, 20, 28]
+    # Without prefix caching there is nothing to save.
+    off = CacheCoordinator.build(64, 4, False, [SlotGroupSpec(100, 2, 0)], message_end_token_ids={END})
+    assert off.groups[0].save_points(_ids_request("c", ids)) == []
+
+
+def test_prompts_sharing_their_first_message_reuse_its_state_whatever_follows() -> None:
+    kv = CacheCoordinator.build(64, 4, True, [SlotGroupSpec(100, 2, 8)], message_end_token_ids={END})
+    system = [*range(100, 113), END]  # 14 tokens: its state is saved at 12
+    first = _ids_request("first", [*system, *range(200, 220)])
+    assert kv.groups[0].save_points(first) == [12, 32]
+    assert kv.allocate_slots("first", first.num_tokens)
+    start = 0
+    while start < first.num_tokens:  # the scheduler's chunks, each saving where it ends
+        end = start + kv.chunk_end(first, start, first.num_tokens - start)
+        kv.copies_after_step(first, end)
+        kv.step_succeeded(first, end)
+        start = end
+    kv.free("first")
+    # Another question after the same first message: its three blocks and the state at 12.
+    second = _ids_request("second", [*system, *range(300, 310)])
+    assert len(kv.find_cached_prefix(second)) == 3

@@ -286,6 +286,64 @@ def test_cached_kv_without_the_state_at_its_end_is_not_reused(tiny35_dir: Path, 
     assert_same_tokens_and_logprobs(out, hf_greedy_with_logprobs(hf35_model, ids, vision, 6))
 
 
+# A shop assistant's system prompt (~750 tokens) and four tools (~350 more, rendered into the
+# system message by the chat template): the preamble an agent's requests share.
+SHOP_SYSTEM = "You are a careful assistant for a hardware shop. " + " ".join(
+    f"Rule {i}: when asked about item {i}, say its shelf and price." for i in range(60)
+)
+SHOP_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"lookup_{kind}",
+            "description": f"Look up an item's {kind} in the catalogue.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["query"],
+            },
+        },
+    }
+    for kind in ("price", "shelf", "stock", "supplier")
+]
+
+
+def test_requests_sharing_a_system_prompt_and_tools_reuse_its_state_whatever_follows(tiny35_dir: Path) -> None:
+    """8 chats with the same system prompt and tool list, each its own question: the state is
+    saved where the system message ends, so from the second on the shared part comes from the
+    cache (all but its last partial block), and the greedy tokens are those of a run without
+    prefix caching. (Saved at the prompt's last full block only, nothing was shared: that
+    block holds the question.)"""
+    from vlmserve import LLM, SamplingParams
+
+    chats = [
+        [
+            {"role": "system", "content": SHOP_SYSTEM},
+            {"role": "user", "content": f"Where is item {i}, what is its price?"},
+        ]
+        for i in range(8)
+    ]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(
+            tiny35_dir,
+            dtype="float32",
+            max_model_len=2048,
+            kv_cache_memory_gib=0.02,
+            enable_prefix_caching=caching,
+        )
+        outputs[caching] = [llm.chat(c, greedy, chat_template_kwargs={"tools": SHOP_TOOLS})[0] for c in chats]
+    first, second = outputs[True][0].prompt_token_ids, outputs[True][1].prompt_token_ids
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert shared >= 1000 and 151645 in first[:shared]  # the system message (ending <|im_end|>) is shared
+    cached = [out.num_cached_tokens for out in outputs[True]]
+    assert cached[0] == 0
+    assert all(shared - BLOCK_SIZE < n <= shared and n >= 0.9 * shared for n in cached[1:]), (shared, cached)
+    assert [o.outputs[0].token_ids for o in outputs[True]] == [o.outputs[0].token_ids for o in outputs[False]]
+    assert all(out.num_cached_tokens == 0 for out in outputs[False])
+
+
 def _request(prompt: ProcessedPrompt):  # type: ignore[no-untyped-def]
     from vlmserve.engine.request import Request
     from vlmserve.sampling_params import SamplingParams

@@ -91,6 +91,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests decoded together")
     p.add_argument(
+        "--state-save-interval",
+        type=non_negative_int,
+        default=1024,
+        metavar="TOKENS",
+        help="a model with recurrent state (Qwen3.5): save its state for prefix caching every so many prompt "
+        "tokens (rounded down to whole KV blocks; 0: not by interval), besides the end of the prompt's first "
+        "and last message and its last full block",
+    )
+    p.add_argument(
+        "--saved-state-slots",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="a model with recurrent state: saved states kept for prefix caching, least recently used evicted, "
+        "each the size of one request's state (`vlmserve inspect` prints it; default: --max-num-seqs)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,

@@ -91,6 +91,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         generation_config=args.generation_config,
         max_logprobs=args.max_logprobs,
         grammar_cache_bytes=int(args.grammar_cache_gib * GiB),
+        state_save_interval=args.state_save_interval,
+        saved_state_slots=args.saved_state_slots,
         max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

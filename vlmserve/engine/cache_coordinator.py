@@ -14,7 +14,7 @@ What the scheduler asks, and the coordinator answers for every group at once:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from vlmserve.engine.kv_cache import BlockPool, KVCacheManager
 from vlmserve.engine.request import Request
@@ -32,18 +32,27 @@ class CacheCoordinator:
 
     @classmethod
     def build(
-        cls, num_blocks: int, block_size: int, enable_prefix_caching: bool, slot_groups: Sequence[SlotGroupSpec] = ()
+        cls,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        slot_groups: Sequence[SlotGroupSpec] = (),
+        state_save_interval: int = 0,
+        message_end_token_ids: Collection[int] = (),
     ) -> CacheCoordinator:
-        groups = [StateCacheGroup(spec, block_size) for spec in slot_groups]
+        """state_save_interval, message_end_token_ids: where slot groups save states (state_cache.py)."""
+        groups = [StateCacheGroup(spec, block_size, state_save_interval, message_end_token_ids) for spec in slot_groups]
         # NOTE: KV reused only where every group can reuse its part of the prefix too.
         prefix = enable_prefix_caching and all(g.caches_prefixes for g in groups)
         return cls(KVCacheManager(num_blocks, block_size, prefix), groups)
 
     @staticmethod
-    def slot_groups(slot_bytes: int, max_num_seqs: int, enable_prefix_caching: bool) -> list[SlotGroupSpec]:
+    def slot_groups(
+        slot_bytes: int, max_num_seqs: int, enable_prefix_caching: bool, saved_slots: int | None = None
+    ) -> list[SlotGroupSpec]:
         """The slot groups beside the paged KV of a model whose per-request slot is `slot_bytes`
-        (0: none), for the memory plan and build()."""
-        return slot_group_specs(slot_bytes, max_num_seqs, enable_prefix_caching)
+        (0: none), with `saved_slots` saved states (None: max_num_seqs), for the memory plan and build()."""
+        return slot_group_specs(slot_bytes, max_num_seqs, enable_prefix_caching, saved_slots)
 
     # -- what the scheduler reads -------------------------------------------------------------
 

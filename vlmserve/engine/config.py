@@ -37,6 +37,13 @@ class EngineConfig:
     # Engine-wide overrides of preprocessor_config.json (min_pixels, max_pixels).
     mm_processor_kwargs: dict[str, int] = field(default_factory=dict)
     enable_prefix_caching: bool = True
+    # A model with recurrent state (Qwen3.5), with prefix caching: where a prompt's state is saved
+    # for reuse (engine/state_cache.py): the end of its first and of its last message, its last
+    # full block, and every state_save_interval tokens (rounded down to whole blocks; 0: none by
+    # interval); saved_state_slots states are kept (None: max_num_seqs), least recently used
+    # evicted, planned in the memory budget.
+    state_save_interval: int = 1024
+    saved_state_slots: int | None = None
     # Encoder outputs held at once, in tokens; None: enough for a step's worth or the largest image.
     encoder_cache_tokens: int | None = None
     media_limits: MediaLimits = field(default_factory=MediaLimits)
@@ -73,6 +80,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.state_save_interval < 0:
+            raise ValueError(f"state_save_interval must be 0 (off) or tokens, got {self.state_save_interval}")
+        if self.saved_state_slots is not None and self.saved_state_slots < 1:
+            raise ValueError(f"saved_state_slots must be at least 1, got {self.saved_state_slots}")
         if self.grammar_cache_bytes < 1:
             raise ValueError(f"grammar_cache_bytes must be positive, got {self.grammar_cache_bytes}")
         if not 0 < self.max_grammar_compile_seconds < float("inf"):

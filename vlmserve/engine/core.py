@@ -67,7 +67,12 @@ class EngineCore:
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
         self.kv = CacheCoordinator.build(
-            self.memory_plan.num_blocks, config.block_size, config.enable_prefix_caching, self.slot_groups
+            self.memory_plan.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.slot_groups,
+            config.state_save_interval,
+            self.model_info.eos_token_ids,
         )
         graphs = self._use_cuda_graphs()
         # With CUDA graphs, one block more than the scheduler hands out: padded decode rows' scratch.
@@ -145,7 +150,10 @@ class EngineCore:
             )
         # Besides the paged KV, the fixed-size per-request memory the model's layers declare.
         self.slot_groups = CacheCoordinator.slot_groups(
-            max(rank.slot_bytes for rank in ranks), config.max_num_seqs, config.enable_prefix_caching
+            max(rank.slot_bytes for rank in ranks),
+            config.max_num_seqs,
+            config.enable_prefix_caching,
+            config.saved_state_slots,
         )
         return min((self._plan_rank(rank, sched) for rank in ranks), key=lambda plan: plan.num_blocks)
 
@@ -159,7 +167,9 @@ class EngineCore:
             sched.encoder_cache_tokens * model_config.text.hidden_size * model_config.mm_embedding_rows * dtype_size
         )
         per_seq = -(-self.max_model_len // config.block_size)
-        slot_groups = CacheCoordinator.slot_groups(rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching)
+        slot_groups = CacheCoordinator.slot_groups(
+            rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching, config.saved_state_slots
+        )
         slot_bytes = sum(group.bytes for group in slot_groups)
         # The compiled grammars live in the engine core's host memory: on the CPU, where the KV
         # cache does too, the KV cache is sized after them (every rank's: they share the machine).

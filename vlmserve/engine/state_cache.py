@@ -8,14 +8,22 @@ aborted; a resumed request recomputes its state from its tokens. The group holds
 such slots (memory planning counts their bytes), so a running request always finds one.
 
 Cached KV is of no use to such a model without the recurrent state at the same token, so its
-prefix caching keeps states too: where a prompt's last full block that a repeat could reuse ends
-(save_point), a chunk ends and the runner copies the request's state into a cached-state slot
-keyed by that block's hash; a later request reuses cached blocks only up to the last one whose
-state is cached, and starts from a copy of that state."""
+prefix caching keeps states too: at a prompt's save points a chunk ends and the runner copies the
+request's state into a cached-state slot keyed by the hash of the block ending there; a later
+request reuses cached blocks only up to the last one whose state is cached, and starts from a
+copy of that state. The save points, each rounded down to a block boundary:
+- the end of the prompt's first message and of its last complete one (after an end-of-turn
+  token: the checkpoint's eos ids, <|im_end|> in every Qwen chat format): requests that share a
+  system prompt and tool list share its state whatever follows, and the next turn of a chat
+  shares the history;
+- every `save_interval` tokens (a long shared document without message ends);
+- the prompt's last full block (a repeat of the whole prompt).
+Saved states are few (saved_state_slots) and least recently used first out."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from vlmserve.engine.request import Request
@@ -39,11 +47,15 @@ class SlotGroupSpec:
         return self.bytes_per_slot * self.num_slots
 
 
-def slot_group_specs(slot_bytes: int, max_num_seqs: int, enable_prefix_caching: bool) -> list[SlotGroupSpec]:
-    """The slot groups a model needs: none without per-request state (0 bytes a slot)."""
+def slot_group_specs(
+    slot_bytes: int, max_num_seqs: int, enable_prefix_caching: bool, saved_slots: int | None = None
+) -> list[SlotGroupSpec]:
+    """The slot groups a model needs: none without per-request state (0 bytes a slot). With prefix
+    caching, `saved_slots` saved states (None: max_num_seqs)."""
     if not slot_bytes:
         return []
-    return [SlotGroupSpec(slot_bytes, max_num_seqs, max_num_seqs if enable_prefix_caching else 0)]
+    saved = (max_num_seqs if saved_slots is None else saved_slots) if enable_prefix_caching else 0
+    return [SlotGroupSpec(slot_bytes, max_num_seqs, saved)]
 
 
 class StateSlotPool:
@@ -133,9 +145,19 @@ class StateCacheGroup:
     asks a group: can a request take a slot, how much of a cached KV prefix it may reuse, where a
     chunk must end, what to copy before and after a step's forward, what a step made cacheable."""
 
-    def __init__(self, spec: SlotGroupSpec, block_size: int) -> None:
+    def __init__(
+        self,
+        spec: SlotGroupSpec,
+        block_size: int,
+        save_interval: int = 0,
+        message_end_token_ids: Collection[int] = (),
+    ) -> None:
         self.spec = spec
         self.block_size = block_size
+        # Whole blocks: a save point is a block boundary (0: none by interval).
+        self.save_interval = save_interval // block_size * block_size
+        self.message_end_token_ids = frozenset(message_end_token_ids)
+        self._save_points: dict[str, list[int]] = {}  # request id -> its save points, once computed
         self.slots = StateSlotPool(spec.num_running)
         # States saved at block boundaries, in slots num_running.. (with prefix caching only).
         self.cached = CachedStatePool(spec.num_running, spec.num_cached) if spec.num_cached else None
@@ -162,17 +184,36 @@ class StateCacheGroup:
             n -= 1
         return n
 
-    def save_point(self, request: Request) -> int:
-        """Where the request's state is saved: the end of the prompt's last full block that a
-        repeat of the prompt could reuse (one token is always left to compute); 0 for none."""
+    def save_points(self, request: Request) -> list[int]:
+        """Where the request's state is saved, in order (see the module's docstring): block
+        boundaries up to the prompt's last full block that a repeat could reuse (one token is
+        always left to compute); none without prefix caching."""
         if self.cached is None:
-            return 0
-        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            return []
+        points = self._save_points.get(request.request_id)
+        if points is None:
+            points = self._save_points[request.request_id] = self._find_save_points(request.prompt_token_ids)
+        return points
+
+    def _find_save_points(self, ids: list[int]) -> list[int]:
+        last = (len(ids) - 1) // self.block_size * self.block_size
+        points = {last}
+        if self.save_interval:
+            points.update(range(self.save_interval, last, self.save_interval))
+        ends = self.message_end_token_ids
+        first_end = next((i + 1 for i, token in enumerate(ids) if token in ends), None)
+        last_end = next((i + 1 for i in range(len(ids) - 1, -1, -1) if ids[i] in ends), None)
+        for end in (first_end, last_end):
+            if end is not None:
+                points.add(end // self.block_size * self.block_size)
+        return sorted(p for p in points if 0 < p <= last)
 
     def chunk_end(self, request: Request, start: int, n: int) -> int:
-        """The most of [start, start + n) a chunk may compute: it ends at the save point inside."""
-        save_at = self.save_point(request)
-        return save_at - start if start < save_at < start + n else n
+        """The most of [start, start + n) a chunk may compute: it ends at the first save point inside."""
+        for point in self.save_points(request):
+            if start < point < start + n:
+                return point - start
+        return n
 
     def copies_on_admission(self, request: Request, prefix_hashes: list[bytes]) -> list[tuple[int, int]]:
         """A prefix hit ending with this block hash: its cached state into the request's slot."""
@@ -184,7 +225,7 @@ class StateCacheGroup:
     def copies_after_step(self, request: Request, end: int, save_hash: bytes | None) -> list[tuple[int, int]]:
         """A chunk ending at the save point (save_hash: that block's hash): the request's state into
         a reserved cached-state slot, unless it is cached already or every slot is being written."""
-        if self.cached is None or save_hash is None or end != self.save_point(request) or end == 0:
+        if self.cached is None or save_hash is None or end not in self.save_points(request):
             return []
         if self.cached.has(save_hash) or request.request_id in self.cached.pending:
             return []
@@ -198,11 +239,13 @@ class StateCacheGroup:
 
     def free(self, request_id: str) -> None:
         self.slots.free(request_id)
+        self._save_points.pop(request_id, None)
         if self.cached is not None:
             self.cached.release(request_id)
 
     def reset(self) -> None:
         self.slots = StateSlotPool(self.spec.num_running)
+        self._save_points.clear()
         if self.cached is not None:
             self.cached = CachedStatePool(self.spec.num_running, self.spec.num_cached)
 

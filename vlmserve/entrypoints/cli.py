@@ -281,7 +281,7 @@ def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
         choices=["tiny", "bench", "2b"],
         default="tiny",
         help="bench: the 2B's language-model width with 4 layers and a narrow vision tower (qwen2_vl, "
-        "qwen3_vl); 2b: the whole Qwen2-VL-2B or Qwen3-VL-2B architecture (qwen2_vl, qwen3_vl; about "
+        "qwen3_vl, qwen3_5); 2b: the whole Qwen2-VL-2B or Qwen3-VL-2B architecture (qwen2_vl, qwen3_vl; about "
         "4.4 GB in bfloat16)",
     )
     p.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")

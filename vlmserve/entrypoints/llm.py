@@ -61,6 +61,8 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         allowed_local_media_path: str | Path | None = None,
         enable_prefix_caching: bool = True,
+        state_save_interval: int = 1024,
+        saved_state_slots: int | None = None,
         mm_processor_kwargs: dict[str, int] | None = None,
         generation_config: str = "auto",
         max_logprobs: int = 20,
@@ -74,7 +76,11 @@ class LLM:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
     ) -> None:
-        """grammar_cache_gib, max_grammar_compile_seconds: structured outputs' compiled grammars held
+        """state_save_interval, saved_state_slots: where a model with recurrent state (Qwen3.5)
+        saves it for prefix caching besides message ends and the prompt's last full block (every so
+        many tokens; 0: not by interval), and how many saved states are kept (None: max_num_seqs;
+        the server's --state-save-interval and --saved-state-slots).
+        grammar_cache_gib, max_grammar_compile_seconds: structured outputs' compiled grammars held
         (least recently used evicted) and the CPU seconds one compile may take (the server's
         --grammar-cache-gib and --max-grammar-compile-seconds).
         tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
@@ -101,6 +107,8 @@ class LLM:
             mm_processor_kwargs=dict(mm_processor_kwargs or {}),
             limit_mm_per_prompt=limit_mm_per_prompt or dict(DEFAULT_LIMIT_MM_PER_PROMPT),
             enable_prefix_caching=enable_prefix_caching,
+            state_save_interval=state_save_interval,
+            saved_state_slots=saved_state_slots,
             generation_config=generation_config,
             max_logprobs=max_logprobs,
             grammar_cache_bytes=int(grammar_cache_gib * (1 << 30)),

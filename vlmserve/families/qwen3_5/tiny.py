@@ -67,7 +67,26 @@ class TinySpec:
 
 
 MOE_SPEC = TinySpec(num_experts=6, tie_word_embeddings=False)
-PRESETS = {("qwen3_5", "tiny"): TinySpec(), ("qwen3_5_moe", "tiny"): MOE_SPEC}
+# The benchmark checkpoint: a 2B-class width (hidden 2048, MLP 6144, the full vocabulary) with
+# transformers' default Qwen3.5 head shapes (16 query / 4 KV heads of 256; Gated DeltaNet 16 key /
+# 32 value heads of 128), 4 layers (linear, full, linear, full) and a narrow vision tower.
+BENCH_SPEC = TinySpec(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    mrope_section=(11, 11, 10),
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    vision_depth=2,
+    vision_hidden_size=256,
+    vision_num_heads=4,
+    vision_intermediate_size=1024,
+)
+PRESETS = {("qwen3_5", "tiny"): TinySpec(), ("qwen3_5", "bench"): BENCH_SPEC, ("qwen3_5_moe", "tiny"): MOE_SPEC}
 
 
 def config_json(spec: TinySpec) -> dict[str, object]:
