@@ -368,7 +368,7 @@ def build_app(
         parsing = chat_serving.parsing(body)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
-            stream = chat_serving.stream(body, prompt, params, parsing)
+            stream = await _until_disconnected(request, chat_serving.stream(body, prompt, params, parsing))
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params, parsing)))
 

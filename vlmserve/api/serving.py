@@ -6,7 +6,7 @@ the metrics by outcome, with the engine's refusal (400), its error while computi
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -95,7 +95,7 @@ class EngineServing:
 
     async def _outputs(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, beam: BeamSearchParams | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         metrics = self.ctx.metrics  # vLLM's series are recorded by the engine client (request_stats.py)
         metrics.in_flight.inc()
         outcome = "aborted"

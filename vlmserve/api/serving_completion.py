@@ -53,11 +53,12 @@ class CompletionServing(EngineServing):
                         if token_ids
                         else {}
                     )
-                    | (
-                        {"prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs)}
-                        if final.prompt_logprobs is not None
-                        else {}
-                    )
+                    # null where not asked for: vLLM's field is always there, and clients read it
+                    | {
+                        "prompt_logprobs": None
+                        if final.prompt_logprobs is None
+                        else prompt_logprobs_json(final.prompt_logprobs)
+                    }
                 )
         return {
             "id": response_id("cmpl", body.request_id, request_id),
