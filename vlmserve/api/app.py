@@ -417,6 +417,7 @@ def build_app(
                 tools | (body.chat_template_kwargs or {}),
                 continue_final_message=body.continue_final_message,
                 media=prompt_builder.media_options(body.mm_processor_kwargs, body.media_io_kwargs),
+                chat_template=prompt_builder.chat_template(body.chat_template),
             )
             prompt = await _until_disconnected(request, rendering)
             tokens = list(prompt.prompt_token_ids)

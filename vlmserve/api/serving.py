@@ -54,6 +54,10 @@ class ServingContext:
     served_model_names: tuple[str, ...] = ()
     # What /v1/models shows as `root`: the model as the server was given it (vLLM's).
     model_root: str = ""
+    # The chat template requests are rendered in instead of the model's (--chat-template), and
+    # whether a request may bring its own (--trust-request-chat-template; vLLM's flags).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
     # vLLM's --reasoning-parser, --tool-call-parser and --enable-auto-tool-choice.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
