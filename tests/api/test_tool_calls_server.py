@@ -296,11 +296,13 @@ def test_a_streamed_request_whose_grammar_does_not_compile_gets_a_400_not_an_err
         "max_tokens": 5,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
     }
-    for stream in (False, True):
-        response = tool_server.post("/v1/chat/completions", body | {"stream": stream})
-        assert response.status_code == 400, response.text
-        assert response.headers["content-type"].startswith("application/json")
-        assert "JSON schema could not be compiled" in response.json()["error"]["message"]
+    completion = {"prompt": ["One", "Two"], "max_tokens": 5, "structured_outputs": {"json": schema}}
+    for path, request in (("/v1/chat/completions", body), ("/v1/completions", completion)):
+        for stream in (False, True):
+            response = tool_server.post(path, request | {"stream": stream})
+            assert response.status_code == 400, (path, response.text)
+            assert response.headers["content-type"].startswith("application/json")
+            assert "JSON schema could not be compiled" in response.json()["error"]["message"]
     # A stream whose grammar compiles still streams.
     fine = body | {"response_format": {"type": "json_object"}, "stream": True}
     with httpx.stream(
@@ -309,6 +311,14 @@ def test_a_streamed_request_whose_grammar_does_not_compile_gets_a_400_not_an_err
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    fine = completion | {"structured_outputs": {"json_object": True}, "stream": True}
+    with httpx.stream(
+        "POST", tool_server.url + "/v1/completions", json=fine, headers=tool_server.headers, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}  # both prompts streamed
+    assert not any("error" in c for c in chunks)
     assert tool_server.health() == 200
 
 

@@ -377,7 +377,8 @@ def build_app(
         ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(completion_serving.stream(body, prompts, params), media_type="text/event-stream")
+            stream = await _until_disconnected(request, completion_serving.stream(body, prompts, params))
+            return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, completion_serving.response(body, prompts, params)))
 
     @app.post("/v1/chat/completions")
