@@ -49,8 +49,26 @@ def load_tool_chat_template(model_dir: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a file holding a Jinja chat template, or the template
+    itself (text with a `{`, `}` or a line break in it, that names no file). ValueError when it
+    looks like a path but no file can be read there, or the template does not parse (its line)."""
+    path = Path(value).expanduser()
+    try:
+        source = path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{value}: cannot read the chat template file: {e}") from None
+    if source is None:
+        if not any(ch in value for ch in "{}\n"):
+            raise ValueError(f"{value}: no such file (a template given inline holds Jinja: {{ or }})")
+        source = value
+    compile_chat_template(source)
+    return source
+
+
 def template_variables(source: str) -> set[str]:
     """The names a template reads from its context (its arguments: messages, tools, ...)."""
+    compile_chat_template(source)  # a ValueError naming the line where it does not parse
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
     return set(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
@@ -64,6 +82,17 @@ def _raise_exception(message: str) -> None:
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template ready to render; ValueError naming the line where it does not parse."""
+    try:
+        return _compiled_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: line {e.lineno}: {e.message}") from None
+
+
+# Templates a server renders: its model's, its --chat-template, and those requests bring (where
+# it trusts them); the last one compiled of each kept, a few at most.
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> jinja2.Template:
     # The environment transformers renders chat templates in: sandboxed, trim_blocks and
     # lstrip_blocks, loop controls, tojson without ASCII escaping, raise_exception().
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -73,6 +102,38 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _template_line(error: BaseException) -> int | None:
+    """The template line being rendered when `error` was raised (jinja maps its frames back to
+    the template's lines, under the file name "<template>"), if it was raised there."""
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def render_chat_template(template: jinja2.Template, **context: Any) -> str:
+    """`template` rendered; ValueError naming the template line when it fails: its own error
+    (raise_exception, an undefined value, the sandbox refusing an operation), or Python's on a
+    value of the wrong type (not echoed: it can name internals)."""
+    try:
+        return template.render(**context)
+    except jinja2.exceptions.TemplateError as e:
+        line = _template_line(e)
+        where = "" if line is None else f" (template line {line})"
+        raise ValueError(f"the chat template could not render these messages: {e}{where}") from None
+    except (TypeError, LookupError, AttributeError, ArithmeticError) as e:
+        line = _template_line(e)
+        if line is None:
+            raise
+        raise ValueError(
+            f"the chat template could not render these messages and chat_template_kwargs ({type(e).__name__} at "
+            f"template line {line}): a value has the wrong type or is out of range"
+        ) from None
 
 
 @functools.cache
@@ -165,10 +226,9 @@ class Tokenizer:
     ) -> str:
         template = compile_chat_template(chat_template) if chat_template else self._chat_template
         special = {k: self._special_token(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"the chat template could not render these messages: {e}") from None
+        return render_chat_template(
+            template, messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs
+        )
 
 
 class AnyTokenizer(Protocol):

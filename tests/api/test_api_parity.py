@@ -69,7 +69,6 @@ NOT_OFF = {
     "structural_tag": {"type": "structural_tag", "structures": [], "triggers": []},
     "guided_whitespace_pattern": " *",
     "guided_decoding_backend": "outlines",
-    "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
 }
 REFUSED = [(endpoint, field, value) for endpoint in (CHAT, COMPLETIONS) for field, value in NOT_OFF.items()] + [

@@ -4,11 +4,14 @@ first, tool calls read from the rest; streamed deltas put together give the same
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from vlmserve.api.chat_output import ChatParsing
 from vlmserve.api.tool_calling import ChatTool, NamedToolChoice, forced_tool_schema, template_messages
+from vlmserve.outputs import CompletionOutput
+from vlmserve.tokenizer import Tokenizer
 
 TOOLS = [
     ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
@@ -80,11 +83,46 @@ def test_the_request_s_switches() -> None:
     # A forced call: no reasoning part (the grammar applies from the first token).
     named = NamedToolChoice.model_validate({"function": {"name": "f"}})
     message, finish = parsing(named).message('{"x": 2}', "stop")
-    assert (message["content"], message["tool_calls"][0]["function"]["arguments"], finish) == (
-        None,
-        '{"x": 2}',
+    assert "reasoning" not in message
+
+
+def test_a_forced_call_s_content_is_empty_and_a_named_one_stops_as_vllm_s() -> None:
+    """vLLM (and OpenAI's API): a forced call's content is "", not null; a named function's
+    finish_reason is "stop", "required"'s "tool_calls"."""
+    named = NamedToolChoice.model_validate({"function": {"name": "f"}})
+    message, finish = parsing(named).message('{"x": 2}', "stop")
+    assert (message["content"], message["tool_calls"][0]["function"]["arguments"], finish) == ("", '{"x": 2}', "stop")
+    stream = parsing(named).stream()
+    stream.feed('{"x": 2}', final=True)
+    assert stream.finish_reason("stop") == "stop"
+    required = '[{"name": "g", "parameters": {}}]'
+    message, finish = parsing("required").message(required, "stop")
+    assert (message["content"], [c["function"]["name"] for c in message["tool_calls"]], finish) == (
+        "",
+        ["g"],
         "tool_calls",
     )
+    stream = parsing("required").stream()
+    stream.feed(required, final=True)
+    assert stream.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("cut", ['{"', '{"x": ', '{"x": 2'])
+def test_a_forced_call_cut_short_by_max_tokens_is_no_call(cut: str) -> None:
+    named = NamedToolChoice.model_validate({"function": {"name": "f"}})
+    message, finish = parsing(named).message(cut, "length")
+    assert ("tool_calls" not in message, message["content"], finish) == (True, cut, "length")
+    message, finish = parsing("required").message('[{"name": "f", "parameters": ' + cut, "length")
+    assert "tool_calls" not in message and finish == "length"
+
+
+def test_reasoning_is_served_under_vllm_s_name_and_the_former_one() -> None:
+    message, _ = parsing().message(ANSWER, "stop")
+    assert message["reasoning"] == message["reasoning_content"] == "Think."
+    delta = parsing().stream().feed(ANSWER, final=True)
+    assert delta["reasoning"] == delta["reasoning_content"] == "Think."
+    message, _ = parsing(include_reasoning=False).message(ANSWER, "stop")
+    assert "reasoning" not in message and "reasoning_content" not in message
 
 
 def test_auto_needs_the_server_flags() -> None:
@@ -113,3 +151,24 @@ def test_history_arguments_become_objects() -> None:
     assert json.loads(call["function"]["arguments"]) == {"x": [1]}  # the request's own message is left as it was
     with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+
+
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning(tiny25_dir: Path) -> None:
+    """usage.completion_tokens_details.reasoning_tokens: the answer's tokens before `</think>`
+    (a leading `<think>` not counted), all of them when it never closed, none with thinking off."""
+    tokenizer = Tokenizer(tiny25_dir)
+    reasoning, end, rest = (tokenizer.encode(t) for t in ("Think hard, twice.", "</think>", "The answer is 42."))
+    lead = tokenizer.encode("<think>")
+
+    def count(ids: list[int], p: ChatParsing | None = None) -> int | None:
+        choice = CompletionOutput(0, tokenizer.decode(ids), ids, "stop")
+        return (p or parsing()).reasoning_tokens([choice], tokenizer)
+
+    assert len(reasoning) > 3
+    assert count(reasoning + end + rest) == len(reasoning)
+    assert count(lead + reasoning + end + rest) == len(reasoning)
+    assert count(reasoning) == len(reasoning)  # cut short while thinking
+    assert count(reasoning + end + rest, parsing(chat_template_kwargs={"enable_thinking": False})) == 0
+    assert count(reasoning + end + rest, parsing(reasoning_parser=None)) is None  # no parser: no details
+    both = [CompletionOutput(i, tokenizer.decode(reasoning + end), reasoning + end, "stop") for i in range(2)]
+    assert parsing().reasoning_tokens(both, tokenizer) == 2 * len(reasoning)

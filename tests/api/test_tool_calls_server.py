@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema_rs
 import openai
 import pytest
 import transformers
@@ -52,13 +53,16 @@ def client(tool_server: Server) -> openai.OpenAI:
 
 def streamed(client: openai.OpenAI, **request: object) -> tuple[dict, str | None]:
     """A streamed answer put together: content, reasoning, calls by index, finish_reason."""
-    message: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    message: dict = {"content": "", "reasoning": "", "reasoning_content": "", "tool_calls": {}}
     finish = None
     for chunk in client.chat.completions.create(model="tiny", stream=True, **request):  # type: ignore[call-overload]
+        if chunk.usage is not None:
+            message["usage"] = chunk.usage
         for choice in chunk.choices:
             delta = choice.delta
             message["content"] += delta.content or ""
-            message["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            for name in ("reasoning", "reasoning_content"):
+                message[name] += (delta.model_extra or {}).get(name) or ""
             for call in delta.tool_calls or []:
                 if call.id is not None:
                     assert call.index not in message["tool_calls"], "a call's id comes in its first delta only"
@@ -77,14 +81,14 @@ def test_a_named_function_is_called_streamed_and_not(client: openai.OpenAI) -> N
     choice = {"type": "function", "function": {"name": "get_weather"}}
     request = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, **GREEDY)
     whole = client.chat.completions.create(model="tiny", **request).choices[0]  # type: ignore[call-overload]
-    assert whole.finish_reason == "tool_calls"
-    assert whole.message.content is None
+    assert whole.finish_reason == "stop"  # a named function's, as OpenAI's API and vLLM answer
+    assert whole.message.content == ""  # vLLM's, not null
     [(name, arguments)] = calls_of(whole.message)
     assert name == "get_weather"
     assert json.loads(arguments)["city"] in ("Paris", "Oslo")  # the grammar forced the schema
     assert whole.message.tool_calls[0].id.startswith("call_")  # type: ignore[index]
     stream, finish = streamed(client, **request)
-    assert finish == "tool_calls"
+    assert finish == "stop"
     assert [(c["name"], c["arguments"]) for c in stream["tool_calls"].values()] == [(name, arguments)]
     assert stream["content"] == ""
 
@@ -114,15 +118,22 @@ def test_auto_reads_reasoning_then_calls_from_the_answer(client: openai.OpenAI) 
         temperature=0,
         max_tokens=200,  # a random model may spell it out in short tokens
     )
-    whole = client.chat.completions.create(model="tiny", **request).choices[0]  # type: ignore[call-overload]
+    response = client.chat.completions.create(model="tiny", **request)  # type: ignore[call-overload]
+    whole = response.choices[0]
     assert whole.finish_reason == "tool_calls"
+    # vLLM's field is `reasoning` (its tests read message.reasoning); `reasoning_content` is kept.
+    assert (whole.message.model_extra or {})["reasoning"] == "I should look."
     assert (whole.message.model_extra or {})["reasoning_content"] == "I should look."
     assert whole.message.content is None
+    # The tokens before `</think>` (the reasoning parser's unit tests count them exactly).
+    reasoning_tokens = response.usage.completion_tokens_details.reasoning_tokens  # type: ignore[union-attr]
+    assert 0 < reasoning_tokens < response.usage.completion_tokens  # type: ignore[operator,union-attr]
     [(name, arguments)] = calls_of(whole.message)
     assert name == "get_weather"
     assert json.loads(arguments)["city"] in ("Paris", "Oslo")
-    stream, finish = streamed(client, **request)
-    assert (stream["reasoning_content"], finish) == ("I should look.", "tool_calls")
+    stream, finish = streamed(client, **request, stream_options={"include_usage": True})
+    assert (stream["reasoning"], stream["reasoning_content"], finish) == ("I should look.",) * 2 + ("tool_calls",)
+    assert stream["usage"].completion_tokens_details.reasoning_tokens == reasoning_tokens
     assert [(c["name"], c["arguments"]) for c in stream["tool_calls"].values()] == [(name, arguments)]
     # tool_choice "none": the same answer is content (the tools are still in the prompt, as vLLM).
     none = client.chat.completions.create(model="tiny", tool_choice="none", **request).choices[0]  # type: ignore[call-overload]
@@ -132,6 +143,7 @@ def test_auto_reads_reasoning_then_calls_from_the_answer(client: openai.OpenAI) 
     request["extra_body"] |= {"include_reasoning": False}  # type: ignore[operator]
     quiet = client.chat.completions.create(model="tiny", **request).choices[0]  # type: ignore[call-overload]
     assert (quiet.message.model_extra or {}).get("reasoning_content") is None
+    assert (quiet.message.model_extra or {}).get("reasoning") is None
     assert calls_of(quiet.message) == [(name, arguments)]
 
 
@@ -230,3 +242,116 @@ def test_a_call_nested_too_deeply_in_the_answer_is_content_streamed_and_not(tool
     assert "".join(d.get("content") or "" for d in deltas) == answer
     assert not any(d.get("tool_calls") for d in deltas)
     assert tool_server.health() == 200 and tool_server.engine_pid() == engine
+
+
+# -- what vLLM's own tests ask of tools (tests/entrypoints/openai/test_completion_with_function_calling.py) --
+
+
+def _tool_with_defs(name: str, options: dict) -> dict:
+    """Parameters as pydantic writes them: a $ref into their own $defs. Both tools below name
+    their definition "Options", each a different one."""
+    options = options | {"type": "object", "required": list(options["properties"]), "additionalProperties": False}
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "options": {"$ref": "#/$defs/Options"}},
+        "required": ["city", "options"],
+        "additionalProperties": False,
+        "$defs": {"Options": options},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+DEFS_TOOLS = [
+    _tool_with_defs("get_current_weather", {"properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}),
+    _tool_with_defs("get_forecast", {"properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}}),
+]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_current_weather"}}], ids=str
+)
+def test_tools_whose_parameters_use_defs_are_called_streamed_and_not(
+    client: openai.OpenAI, tool_choice: object
+) -> None:
+    """tool_choice "required" was a 400 ("Cannot find field '$defs'"): the array schema held each
+    tool's parameters without their definitions. Each call's arguments follow its own tool's."""
+    request = dict(messages=MESSAGES, tools=DEFS_TOOLS, tool_choice=tool_choice, parallel_tool_calls=False)
+    request |= {"temperature": 0, "max_tokens": 200}  # a random model may spell the call in short tokens
+    whole = client.chat.completions.create(model="tiny", **request).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason in ("stop", "tool_calls"), whole
+    [(name, arguments)] = calls_of(whole.message)
+    tool = next(t for t in DEFS_TOOLS if t["function"]["name"] == name)
+    assert jsonschema_rs.validator_for(tool["function"]["parameters"]).is_valid(json.loads(arguments)), arguments
+    assert whole.message.content == ""
+    stream, _ = streamed(client, **request)
+    assert [(c["name"], c["arguments"]) for c in stream["tool_calls"].values()] == [(name, arguments)]
+
+
+def test_a_streamed_request_whose_grammar_does_not_compile_gets_a_400_not_an_error_event(tool_server: Server) -> None:
+    """The engine refuses a grammar that does not compile; a stream waits for it to take the
+    request before it starts, so the client gets the same 400 as without stream."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    completion = {"prompt": ["One", "Two"], "max_tokens": 5, "structured_outputs": {"json": schema}}
+    for path, request in (("/v1/chat/completions", body), ("/v1/completions", completion)):
+        for stream in (False, True):
+            response = tool_server.post(path, request | {"stream": stream})
+            assert response.status_code == 400, (path, response.text)
+            assert response.headers["content-type"].startswith("application/json")
+            assert "JSON schema could not be compiled" in response.json()["error"]["message"]
+    # A stream whose grammar compiles still streams.
+    fine = body | {"response_format": {"type": "json_object"}, "stream": True}
+    with httpx.stream(
+        "POST", tool_server.url + "/v1/chat/completions", json=fine, headers=tool_server.headers, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    fine = completion | {"structured_outputs": {"json_object": True}, "stream": True}
+    with httpx.stream(
+        "POST", tool_server.url + "/v1/completions", json=fine, headers=tool_server.headers, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}  # both prompts streamed
+    assert not any("error" in c for c in chunks)
+    assert tool_server.health() == 200
+
+
+def test_a_call_cut_short_by_max_tokens_is_not_a_call(tool_server: Server) -> None:
+    """max_tokens too small to finish the named call's arguments: no `{"` as a tool call."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": choice, "temperature": 0, "max_tokens": 2}
+    [answer] = tool_server.post("/v1/chat/completions", body).json()["choices"]
+    assert answer["finish_reason"] == "length"
+    assert answer["message"].get("tool_calls") is None
+    assert answer["message"]["content"].startswith("{")
+
+
+def test_token_ids_and_logprobs_fields_with_tools(tool_server: Server, tiny25_dir: Path) -> None:
+    """return_token_ids with a forced call: the call's tokens; return_tokens_as_token_ids in chat
+    logprobs; prompt_logprobs present (null) where not asked for, as vLLM's responses hold it."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "tool_choice": choice,
+        "return_token_ids": True,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+        **GREEDY,
+    }
+    response = tool_server.post("/v1/chat/completions", body).json()
+    [answer] = response["choices"]
+    [call] = answer["message"]["tool_calls"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny25_dir))
+    assert tokenizer.decode(answer["token_ids"], skip_special_tokens=True) == call["function"]["arguments"]
+    assert tokenizer.decode(response["prompt_token_ids"]).endswith("<|im_start|>assistant\n")
+    assert [e["token"] for e in answer["logprobs"]["content"]] == [f"token:{t}" for t in answer["token_ids"]]
+    assert "prompt_logprobs" in response and response["prompt_logprobs"] is None
+    completion = tool_server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).json()
+    assert "prompt_logprobs" in completion["choices"][0] and completion["choices"][0]["prompt_logprobs"] is None

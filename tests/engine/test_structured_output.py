@@ -156,6 +156,67 @@ def test_padded_vocabulary_ids_are_never_allowed(llm: LLM) -> None:
     assert not any(torch.isfinite(logits[0, eos]))  # eos only once the grammar may end
 
 
+# Strings whose length is bounded, as values and as property names: xgrammar's own grammar for
+# them let raw control characters through (json.loads: "Invalid control character").
+BOUNDED_STRINGS = [
+    {"type": "string", "maxLength": 12},
+    {"type": "string", "minLength": 2},
+    {"type": "object", "propertyNames": {"maxLength": 6}, "additionalProperties": {"type": "integer"}},
+]
+
+
+@pytest.mark.parametrize("schema", BOUNDED_STRINGS, ids=["maxLength", "minLength", "propertyNames"])
+def test_no_raw_control_character_is_allowed_inside_a_json_string(llm: LLM, schema: dict) -> None:
+    """Inside a string, every token the mask allows is free of raw control characters (bytes
+    0x00-0x1f), which JSON forbids there; printable text still is allowed."""
+    engine = llm.llm_engine
+    tokenizer = engine.tokenizer
+    vocab = engine.model_config.text.vocab_size
+    state = engine.core.grammars.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    opening = '{"' if schema["type"] == "object" else '"'
+    for token_id in tokenizer.encode(opening):
+        state.accept(token_id)
+    bitmask, rows = TokenBitmask(vocab).fill([state])
+    logits = torch.zeros(1, vocab)
+    apply_token_bitmask(logits, bitmask, rows)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert tokenizer.encode("abc")[0] in allowed
+    raw = [t for t in allowed if any(b < 0x20 for b in tokenizer.token_bytes(t))]  # type: ignore[attr-defined]
+    assert raw == [], [tokenizer.token_bytes(t) for t in raw[:5]]  # type: ignore[attr-defined]
+
+
+def test_answers_with_bounded_strings_parse_as_json_whatever_is_drawn(llm: LLM) -> None:
+    """Temperature 1 over many seeds, with tab and other control-character tokens favoured: each
+    answer is JSON that json.loads reads and that follows its schema."""
+    tokenizer = llm.llm_engine.tokenizer
+    control = {tokenizer.encode(ch)[0]: 8.0 for ch in ("\t", "\x01", "\x0b", "\x1f")}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "tag": {"type": "string", "minLength": 1}},
+        "required": ["name", "tag"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+            logit_bias=control,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for seed in range(16)
+    ]
+    finished = 0
+    for output in llm.generate(["Name and tag as JSON:"] * len(params), params):
+        completion = output.outputs[0]
+        if completion.finish_reason != "stop":
+            continue  # a minLength string may run on past max_tokens
+        finished += 1
+        value = json.loads(completion.text)
+        assert jsonschema_rs.validator_for(schema).is_valid(value), completion.text
+    assert finished >= 4
+
+
 def test_the_core_fills_each_steps_masks_once_and_its_matchers_take_only_steps_that_succeeded(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:

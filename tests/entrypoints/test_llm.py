@@ -351,3 +351,17 @@ def test_truncate_prompt_tokens_and_continue_final_message_offline(llm: LLM) -> 
     (open_turn,) = llm.chat(messages, greedy, add_generation_prompt=False, continue_final_message=True)
     assert open_turn.prompt_token_ids[-len(llm.get_tokenizer().encode(" am")) :] == llm.get_tokenizer().encode(" am")
     assert llm.get_tokenizer().decode(open_turn.prompt_token_ids, skip_special_tokens=False).endswith("Hello, I am")
+
+
+def test_chat_renders_the_template_it_is_given_and_names_the_line_where_one_fails(llm: LLM, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's LLM.chat(chat_template=...): the prompt is that template's, as transformers renders
+    it; one that does not parse or fails to render is a ValueError naming its line."""
+    template = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<assistant>>"
+    messages = [{"role": "user", "content": "Say hi."}]
+    [output] = llm.chat(messages, SamplingParams(max_tokens=1), chat_template=template)
+    text = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert list(output.prompt_token_ids) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="does not parse: line 2"):
+        llm.chat(messages, chat_template="ok\n{% for m in messages %}")
+    with pytest.raises(ValueError, match=r"no tools here \(template line 2\)"):
+        llm.chat(messages, chat_template="{{ messages[0].content }}\n{{ raise_exception('no tools here') }}")

@@ -381,7 +381,7 @@ def build_app(
         parsing = chat_serving.parsing(body)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
-            stream = chat_serving.stream(body, prompt, params, parsing)
+            stream = await _until_disconnected(request, chat_serving.stream(body, prompt, params, parsing))
             return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params, parsing)))
 
@@ -390,7 +390,8 @@ def build_app(
         ctx.check_model(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
-            return StreamingResponse(completion_serving.stream(body, prompts, params), media_type="text/event-stream")
+            stream = await _until_disconnected(request, completion_serving.stream(body, prompts, params))
+            return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, completion_serving.response(body, prompts, params)))
 
     @app.post("/v1/chat/completions")
@@ -449,6 +450,7 @@ def build_app(
                 tools | (body.chat_template_kwargs or {}),
                 continue_final_message=body.continue_final_message,
                 media=prompt_builder.media_options(body.mm_processor_kwargs, body.media_io_kwargs),
+                chat_template=prompt_builder.chat_template(body.chat_template),
             )
             prompt = await _until_disconnected(request, rendering)
             tokens = list(prompt.prompt_token_ids)

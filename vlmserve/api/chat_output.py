@@ -8,12 +8,22 @@ thinking model reason first and constrains only what follows `</think>`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vlmserve.api.reasoning import ThinkReasoningParser
 from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, tool_parser
-from vlmserve.api.tool_parsers import ContentDelta, StreamEvent, ToolCallDelta, new_call_id
+from vlmserve.api.tool_parsers import (
+    ContentDelta,
+    NamedToolParser,
+    RequiredToolParser,
+    StreamEvent,
+    ToolCallDelta,
+    new_call_id,
+)
+from vlmserve.outputs import CompletionOutput
+from vlmserve.tokenizer import AnyTokenizer
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,27 @@ class ChatParsing:
         return cls(reasoning, tool, include_reasoning, parallel_tool_calls)
 
     @property
+    def forced(self) -> bool:
+        """The answer is a forced tool call (tool_choice "required" or a named function)."""
+        return isinstance(self.tools, RequiredToolParser | NamedToolParser)
+
+    def reasoning_tokens(self, choices: Sequence[CompletionOutput], tokenizer: AnyTokenizer) -> int | None:
+        """How many of the choices' tokens were reasoning (None: no reasoning parser read them):
+        each token that begins inside a choice's reasoning text (after a leading `<think>`,
+        before `</think>`), counted by the bytes each token stands for."""
+        if self.reasoning is None:
+            return None
+        count = 0
+        for choice in choices:
+            start, end = self.reasoning.span(choice.text)
+            first, last = len(choice.text[:start].encode()), len(choice.text[:end].encode())
+            offset = 0
+            for token_id in choice.token_ids:
+                count += first <= offset < last
+                offset += len(tokenizer.token_bytes(token_id))
+        return count
+
+    @property
     def active(self) -> bool:
         return self.reasoning is not None or self.tools is not None
 
@@ -58,7 +89,8 @@ class ChatParsing:
             split = self.reasoning.parse(text)
             content = split.content
             if self.include_reasoning:
-                message["reasoning_content"] = split.reasoning
+                # vLLM's field is `reasoning` now; `reasoning_content` is its former name, kept.
+                message["reasoning"] = message["reasoning_content"] = split.reasoning
         if self.tools is not None and content is not None:
             parsed = self.tools.parse(content)
             calls = parsed.tool_calls if self.parallel_tool_calls else parsed.tool_calls[:1]
@@ -68,12 +100,22 @@ class ChatParsing:
                     {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in calls
                 ]
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                finish_reason = _finish_with_calls(self.tools, finish_reason)
+                if self.forced:  # vLLM's: a forced call's content is "", not null
+                    content = content or ""
         message["content"] = content
         return message, finish_reason
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
+
+
+def _finish_with_calls(tools: ToolParser, finish_reason: str | None) -> str | None:
+    """A choice's finish_reason when it called tools: "tool_calls" where it stopped, except for a
+    named function ("stop", as OpenAI's API and vLLM answer)."""
+    if finish_reason == "stop" and not isinstance(tools, NamedToolParser):
+        return "tool_calls"
+    return finish_reason
 
 
 class ChoiceStream:
@@ -89,6 +131,12 @@ class ChoiceStream:
     def called(self) -> bool:
         return bool(self.ids)
 
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The choice's finish_reason, as the whole message gives it."""
+        if not self.called or self.parsing.tools is None:
+            return finish_reason
+        return _finish_with_calls(self.parsing.tools, finish_reason)
+
     def feed(self, text: str, final: bool) -> dict[str, Any]:
         reasoning, content = "", text
         if self.reasoning is not None:
@@ -98,7 +146,7 @@ class ChoiceStream:
                 reasoning, content = reasoning + more_reasoning, content + more_content
         delta: dict[str, Any] = {}
         if reasoning and self.parsing.include_reasoning:
-            delta["reasoning_content"] = reasoning
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if self.tools is None:
             if content:
                 delta["content"] = content

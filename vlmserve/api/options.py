@@ -362,6 +362,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="let requests use tool_choice auto (the default with tools); needs --tool-call-parser (vLLM's)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="render chat requests in this Jinja chat template (a file, or the template inline) instead of the "
+        "model's own (vLLM's)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (it runs in a sandbox, but can cost the server CPU); "
+        "by default such a request gets a 400 (vLLM's)",
+    )
+    p.add_argument(
         "--disable-web-ui",
         action="store_true",
         help="serve no chat page at / (by default a browser there gets one that talks to this server's API)",

@@ -99,9 +99,26 @@ class PromptBuilder:
             continue_final_message=body.continue_final_message,
             media=media,
             truncation=truncation,
+            chat_template=self.chat_template(body.chat_template),
         )
         self._check_cost([prompt], params)
         return prompt, params
+
+    def chat_template(self, requested: str | None) -> str | None:
+        """The template a chat request is rendered in: its own `chat_template` where the server
+        trusts requests with one (a 400 naming the flag otherwise, as vLLM), else the server's
+        --chat-template, else (None) the model's."""
+        if requested is None:
+            return self.ctx.chat_template
+        if not self.ctx.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template: this server renders no chat template a request brings (a template runs code on "
+                "the server); start it with --trust-request-chat-template to allow them, or give the server one "
+                "with --chat-template",
+                "chat_template",
+            )
+        return check_text(requested, "chat_template")
 
     def _check_cost(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> None:
         """What one request may make the engine do, counted in its own units, not as one HTTP
@@ -138,8 +155,10 @@ class PromptBuilder:
         continue_final_message: bool = False,
         media: MediaDefaults | None = None,
         truncation: Truncation | None = None,
+        chat_template: str | None = None,
     ) -> ProcessedPrompt:
-        """Messages rendered, their media fetched, and processed: the prompt the engine gets."""
+        """Messages rendered (in `chat_template`; None: the model's), their media fetched, and
+        processed: the prompt the engine gets."""
         _walk_text(messages, "messages")
         _walk_text(chat_template_kwargs or {}, "chat_template_kwargs")
         self._check_last_message_length(messages)
@@ -150,6 +169,7 @@ class PromptBuilder:
                 self.frontend.render_chat,
                 messages,
                 add_generation_prompt,
+                chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs,
                 continue_final_message=continue_final_message,
             )
@@ -158,6 +178,8 @@ class PromptBuilder:
                 e.param = "tools"
             elif e.message.startswith("continue_final_message"):
                 e.param = "continue_final_message"
+            elif e.message.startswith("the chat template does not parse"):
+                e.param = "chat_template"
             raise
         if isinstance(chat.prompt, str):
             self._check_length(chat.prompt, "messages")

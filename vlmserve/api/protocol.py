@@ -37,6 +37,10 @@ MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS = 1024  # entries
 LOGIT_BIAS_LIMIT = 100.0  # values are clamped to +-this, as OpenAI's API and vLLM do
 MAX_LENGTH_PENALTY = 1e6  # |length_penalty|: any larger only overflows the score
+# A request's own chat template (vLLM's `chat_template`, under --trust-request-chat-template):
+# the published Qwen templates are under 10,000 characters.
+MAX_CHAT_TEMPLATE_CHARS = 128 * 1024
+ChatTemplateField = Annotated[str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]
 
 logger = logging.getLogger("vlmserve.api")
 
@@ -147,7 +151,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": (_OFF, "whitespace patterns are not implemented (disable_any_whitespace is)"),
     "guided_decoding_backend": ((None, "auto", "xgrammar"), "xgrammar is the only structured-output backend"),
     "priority": ((None, 0), "requests are scheduled first come, first served"),
-    "chat_template": (_OFF, "the model's own chat template is always used"),
     "documents": (_OFF, "documents are not passed to the chat template"),
 }
 # Chat only: nothing is refused now (echo and tool calling are implemented).
@@ -502,6 +505,9 @@ class ChatCompletionRequest(_SamplingFields):
     # -1: the whole vocabulary (vLLM's); the bound is the server's --max-logprobs.
     top_logprobs: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja chat template of the request's own, rendered only where the server was
+    # started with --trust-request-chat-template (a 400 naming the flag otherwise).
+    chat_template: ChatTemplateField | None = None
     add_generation_prompt: StrictBool = True
     # Tool calling and reasoning output (vlmserve/api/tool_calling.py, reasoning.py).
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -603,6 +609,7 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: ChatTemplateField | None = None  # as in a chat request
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     continue_final_message: StrictBool = False
     # As in a chat request: the items counted as the model would see them.

@@ -44,6 +44,15 @@ class ThinkReasoningParser:
             return ReasoningSplit(text, None)
         return ReasoningSplit(reasoning, content or None)
 
+    def span(self, text: str) -> tuple[int, int]:
+        """Where in `text` the reasoning `parse` gives lies: [start, end) in characters."""
+        if not self.thinking_enabled:
+            return 0, 0
+        lead = len(text) - len(text.lstrip())
+        start = lead + len(self.START) if text.startswith(self.START, lead) else 0
+        end = text.find(self.END, start)
+        return start, len(text) if end < 0 else end
+
     def stream(self) -> ThinkReasoningStream:
         return ThinkReasoningStream(self)
 

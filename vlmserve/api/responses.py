@@ -27,13 +27,17 @@ def response_id(prefix: str, given: str | None, engine_id: str) -> str:
     return engine_id if given is None else f"{prefix}-{given}"
 
 
-def usage(prompt: ProcessedPrompt, output: RequestOutput) -> dict[str, Any]:
+def usage(prompt: ProcessedPrompt, output: RequestOutput, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """`reasoning_tokens`: the completion's tokens that were reasoning, where a reasoning parser
+    read it (OpenAI's completion_tokens_details, as vLLM gives it)."""
     completion = sum(len(o.token_ids) for o in output.outputs)
+    details = {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
     return {
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": completion,
         "total_tokens": len(output.prompt_token_ids) + completion,
         "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        **details,
         "multimodal_tokens": multimodal_tokens(prompt),
     }
 

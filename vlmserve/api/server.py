@@ -51,6 +51,7 @@ from vlmserve.errors import UserError
 from vlmserve.ipc import shm
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
+from vlmserve.tokenizer import read_chat_template
 from vlmserve.version import package_version
 
 logger = logging.getLogger("vlmserve.api")
@@ -71,6 +72,12 @@ def _what_to_ask(model: str) -> dict[str, Any]:
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    chat_template = None
+    if getattr(args, "chat_template", None) is not None:
+        try:
+            chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            raise UserError(f"--chat-template {e}") from None
     if args.model is None:
         from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
 
@@ -147,6 +154,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         responses_store_max_entries=getattr(args, "responses_store_max_entries", 1024),
         responses_store_max_bytes=getattr(args, "responses_store_max_bytes", 256 << 20),
+        chat_template=chat_template,
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         **_what_to_ask(args.model),
     )
     hosts = browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", []))

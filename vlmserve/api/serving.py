@@ -6,7 +6,7 @@ the metrics by outcome, with the engine's refusal (400), its error while computi
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -54,6 +54,10 @@ class ServingContext:
     served_model_names: tuple[str, ...] = ()
     # What /v1/models shows as `root`: the model as the server was given it (vLLM's).
     model_root: str = ""
+    # The chat template requests are rendered in instead of the model's (--chat-template), and
+    # whether a request may bring its own (--trust-request-chat-template; vLLM's flags).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
     # vLLM's --reasoning-parser, --tool-call-parser and --enable-auto-tool-choice.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -98,7 +102,7 @@ class EngineServing:
 
     async def _outputs(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, beam: BeamSearchParams | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         metrics = self.ctx.metrics  # vLLM's series are recorded by the engine client (request_stats.py)
         metrics.in_flight.inc()
         outcome = "aborted"

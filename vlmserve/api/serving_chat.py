@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from vlmserve.api.chat_output import ChatParsing
@@ -15,7 +16,7 @@ from vlmserve.api.echo import chat_echo, prompt_logprobs_json, with_echo
 from vlmserve.api.protocol import APIError, ChatCompletionRequest
 from vlmserve.api.responses import chat_logprobs, extension, response_id, running_usage, usage
 from vlmserve.api.serving import EngineServing
-from vlmserve.api.streaming import SentChoices, continuous_usage, sse_stream, usage_so_far
+from vlmserve.api.streaming import SentChoices, continuous_usage, sse_stream, started, usage_so_far
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -65,19 +66,27 @@ class ChatServing(EngineServing):
                 for c in final.outputs
                 for message, finish_reason in [parsing.message(c.text, c.finish_reason)]
             ],
-            "usage": usage(prompt, final),
+            "usage": usage(prompt, final, parsing.reasoning_tokens(final.outputs, tokenizer)),
             "vlmserve": extension([prompt], self.grounding_convention),
         }
         if token_ids:  # vLLM's return_token_ids
             response["prompt_token_ids"] = list(final.prompt_token_ids)
-        if final.prompt_logprobs is not None:
-            response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        # null where not asked for: vLLM's field is always there, and clients read it
+        response["prompt_logprobs"] = (
+            None if final.prompt_logprobs is None else prompt_logprobs_json(final.prompt_logprobs)
+        )
         return response
 
-    def stream(
+    async def stream(
         self, body: ChatCompletionRequest, prompt: ProcessedPrompt, params: SamplingParams, parsing: ChatParsing
     ) -> AsyncIterator[str]:
+        """The response's events; with structured outputs (a forced tool call too), once the engine
+        has taken the request (a grammar that does not compile is a 400, not an error event)."""
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tokenizer = self.ctx.frontend.tokenizer
+        outputs = self._outputs(request_id, prompt, params, self._beam(body, params))
+        if params.structured_outputs is not None:
+            outputs = await started(outputs)
         base = {
             "id": response_id("chatcmpl", body.request_id, request_id),
             "object": "chat.completion.chunk",
@@ -86,14 +95,22 @@ class ChatServing(EngineServing):
         }
         final: list[RequestOutput] = []  # the last output, once there is one
         return sse_stream(
-            self._chunks(request_id, base, body, prompt, params, parsing, final),
+            self._chunks(outputs, base, body, prompt, params, parsing, final),
             body.stream_options,
-            lambda: base | {"choices": [], "usage": usage(prompt, final[0])} if final else None,
+            lambda: (
+                base
+                | {
+                    "choices": [],
+                    "usage": usage(prompt, final[0], parsing.reasoning_tokens(final[0].outputs, tokenizer)),
+                }
+                if final
+                else None
+            ),
         )
 
     async def _chunks(
         self,
-        request_id: str,
+        outputs: AsyncGenerator[RequestOutput, None],
         base: dict[str, Any],
         body: ChatCompletionRequest,
         prompt: ProcessedPrompt,
@@ -123,25 +140,25 @@ class ChatServing(EngineServing):
                 }
         as_ids = bool(body.return_tokens_as_token_ids)
         sent = SentChoices()
-        async for output in self._outputs(request_id, prompt, params, self._beam(body, params)):
-            final[:] = [output]
-            choices = []
-            for c in output.outputs:
-                if not sent.has_news(c.index, c):
-                    continue
-                delta = sent.take(c.index, c)
-                logprobs = chat_logprobs(c, delta.token_start, params.logprobs or 0, tokenizer, as_ids)
-                parser = parsers[c.index]
-                finish_reason = c.finish_reason
-                if parser is None:
-                    message = {"content": delta.text} if delta.text else {}
-                else:
-                    message = parser.feed(delta.text, final=finish_reason is not None)
-                    if parser.called and finish_reason == "stop":
-                        finish_reason = "tool_calls"
-                choices.append(
-                    {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
-                    | ({"token_ids": delta.token_ids} if token_ids else {})
-                )
-            if choices:
-                yield base | {"choices": choices} | (usage_so_far(output) if continuous else {})
+        async with aclosing(outputs):
+            async for output in outputs:
+                final[:] = [output]
+                choices = []
+                for c in output.outputs:
+                    if not sent.has_news(c.index, c):
+                        continue
+                    delta = sent.take(c.index, c)
+                    logprobs = chat_logprobs(c, delta.token_start, params.logprobs or 0, tokenizer, as_ids)
+                    parser = parsers[c.index]
+                    finish_reason = c.finish_reason
+                    if parser is None:
+                        message = {"content": delta.text} if delta.text else {}
+                    else:
+                        message = parser.feed(delta.text, final=finish_reason is not None)
+                        finish_reason = parser.finish_reason(finish_reason)
+                    choices.append(
+                        {"index": c.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+                        | ({"token_ids": delta.token_ids} if token_ids else {})
+                    )
+                if choices:
+                    yield base | {"choices": choices} | (usage_so_far(output) if continuous else {})

@@ -10,13 +10,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from vlmserve.api.echo import echoed_logprobs, prompt_logprobs_json, prompt_text
 from vlmserve.api.protocol import CompletionRequest
 from vlmserve.api.responses import completion_logprobs, extension, response_id, usage
 from vlmserve.api.serving import EngineServing
-from vlmserve.api.streaming import SentChoices, continuous_usage, sse_stream, usage_so_far
+from vlmserve.api.streaming import SentChoices, continuous_usage, sse_stream, started, usage_so_far
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -53,11 +54,12 @@ class CompletionServing(EngineServing):
                         if token_ids
                         else {}
                     )
-                    | (
-                        {"prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs)}
-                        if final.prompt_logprobs is not None
-                        else {}
-                    )
+                    # null where not asked for: vLLM's field is always there, and clients read it
+                    | {
+                        "prompt_logprobs": None
+                        if final.prompt_logprobs is None
+                        else prompt_logprobs_json(final.prompt_logprobs)
+                    }
                 )
         return {
             "id": response_id("cmpl", body.request_id, request_id),
@@ -69,7 +71,7 @@ class CompletionServing(EngineServing):
             "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True),
         }
 
-    def stream(
+    async def stream(
         self, body: CompletionRequest, prompts: list[ProcessedPrompt], params: SamplingParams
     ) -> AsyncIterator[str]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -86,13 +88,22 @@ class CompletionServing(EngineServing):
                 return None
             return base | {"choices": [], "usage": _total_usage(prompts, [finals[i] for i in range(len(prompts))])}
 
-        return sse_stream(
-            self._chunks(request_id, base, body, prompts, params, finals), body.stream_options, usage_chunk
-        )
+        beam = self._beam(body, params)
+        outputs = [self._outputs(f"{request_id}-{i}", p, params, beam) for i, p in enumerate(prompts)]
+        if params.structured_outputs is not None:
+            # The prompts share the grammar: the engine taking the first takes them all (a grammar
+            # that does not compile is a 400 before the stream, as in chat).
+            try:
+                outputs[0] = await started(outputs[0])
+            except BaseException:
+                for unstarted in outputs[1:]:
+                    await unstarted.aclose()
+                raise
+        return sse_stream(self._chunks(outputs, base, body, prompts, params, finals), body.stream_options, usage_chunk)
 
     async def _chunks(
         self,
-        request_id: str,
+        outputs: list[AsyncGenerator[RequestOutput, None]],
         base: dict[str, Any],
         body: CompletionRequest,
         prompts: list[ProcessedPrompt],
@@ -106,19 +117,19 @@ class CompletionServing(EngineServing):
         tokenizer = self.ctx.frontend.tokenizer
         as_ids = bool(body.return_tokens_as_token_ids)
         echoes = [prompt_text(p, tokenizer) if body.echo else "" for p in prompts]
-        beam = self._beam(body, params)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(i: int, prompt: ProcessedPrompt) -> None:
+        async def pump(i: int, source: AsyncGenerator[RequestOutput, None]) -> None:
             try:
-                async for output in self._outputs(f"{request_id}-{i}", prompt, params, beam):
-                    queue.put_nowait((i, output))
+                async with aclosing(source):
+                    async for output in source:
+                        queue.put_nowait((i, output))
             except BaseException as e:
                 queue.put_nowait(e)
             finally:
                 queue.put_nowait(None)
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(outputs)]
         sent = SentChoices()
         done = 0
         # The extension rides on the first chunk.

@@ -2,7 +2,8 @@
 framing (each chunk an event; an engine error as an error event, then the end; usage last where
 `stream_options.include_usage` asks for it; `data: [DONE]`), what has been sent of each choice
 (its text and token ids, so each chunk carries only what is new), and vLLM's
-continuous_usage_stats (the usage so far on every chunk)."""
+continuous_usage_stats (the usage so far on every chunk); and an engine request started before
+its stream is, where starting can fail on the request (`started`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ class SentChoices:
     def has_news(self, key: Hashable, choice: CompletionOutput) -> bool:
         """Whether the choice has new text, or has just finished."""
         return len(choice.text) > self._text.get(key, 0) or choice.finish_reason is not None
+
+
+async def started(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
+    """`outputs` once its first output has come. A request with structured outputs is refused by
+    the engine when its grammar does not compile (or takes too long to): started first, such a
+    request gets an HTTP 400 before any event is sent, as without stream, not an error event
+    inside a stream that began with 200. Closed (its engine request aborted) if this fails or is
+    cancelled."""
+    try:
+        first = await anext(outputs)
+    except BaseException:
+        await outputs.aclose()
+        raise
+
+    async def replay() -> AsyncGenerator[RequestOutput, None]:
+        async with aclosing(outputs):
+            yield first
+            async for output in outputs:
+                yield output
+
+    return replay()
 
 
 def continuous_usage(options: StreamOptions | None) -> bool:

@@ -78,10 +78,35 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _moved_refs(schema: Any, root: str) -> Any:
+    """A copy of `schema` whose local references ("#", "#/...") point into it as it sits at the
+    JSON pointer `root` of a larger schema. Each tool's parameters keep their own definitions
+    ($defs, definitions) where they are, so two tools may define the same name differently."""
+    if isinstance(schema, list):
+        return [_moved_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        else:
+            moved[key] = _moved_refs(value, root)
+    return moved
+
+
 def forced_tool_schema(
     tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool
 ) -> dict[str, Any] | None:
-    """The JSON schema the answer is forced to, for "required" and a named function (vLLM's)."""
+    """The JSON schema the answer is forced to, for "required" and a named function (vLLM's).
+    For "required" each tool's parameters sit inside the array's schema: their local references
+    ($ref "#/$defs/..." as pydantic writes them) are moved to point where they now are."""
     if not tools:
         return None
     if isinstance(tool_choice, NamedToolChoice):
@@ -92,10 +117,13 @@ def forced_tool_schema(
         "type": "object",
         "anyOf": [
             {
-                "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": _moved_refs(_parameters(t), f"#/items/anyOf/{i}/properties/parameters"),
+                },
                 "required": ["name", "parameters"],
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ],
     }
     return {"type": "array", "minItems": 1, "items": item} | ({} if parallel_tool_calls else {"maxItems": 1})

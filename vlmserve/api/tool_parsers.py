@@ -371,12 +371,17 @@ class RequiredToolStream:
 
 
 class NamedToolParser:
-    """A named function: the whole answer (forced to its parameters) is the call's arguments."""
+    """A named function: the whole answer (forced to its parameters) is the call's arguments;
+    an answer cut short before they are whole (max_tokens) is content, not a call."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def parse(self, text: str) -> ParsedOutput:
+        try:
+            loads_bounded(text)
+        except ValueError:
+            return ParsedOutput(text, [])
         return ParsedOutput(None, [ToolCall(self.name, text)])
 
     def stream(self) -> NamedToolStream:

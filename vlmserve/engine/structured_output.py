@@ -60,6 +60,30 @@ def _ebnf_choice(choice: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
 
 
+# xgrammar (0.2) writes a string with minLength or maxLength (and a property name with one) as a
+# count of one character class, printed as below, that leaves out `"`, `\`, CR and LF but lets the
+# other control characters through raw; JSON forbids them in a string (json.loads: "Invalid control
+# character"), and a model at temperature 1 does draw tab tokens there. Its other strings allow
+# none of them; these are given the same class. (That class takes no escapes, as xgrammar's did not.)
+_LENGTH_BOUNDED_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+def _json_schema_grammar(schema: str, any_whitespace: bool) -> xgrammar.Grammar:
+    """xgrammar's grammar of a JSON schema, with no raw control character inside a string."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(
+        schema,
+        any_whitespace=any_whitespace,
+        max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,
+    )
+    ebnf = str(grammar)
+    if _LENGTH_BOUNDED_CHARACTER not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUNDED_CHARACTER, _JSON_STRING_CHARACTER))
+
+
 def _what(kind: str) -> str:
     return {"json": "JSON schema", "json_object": "JSON schema"}.get(kind, kind)
 
@@ -106,11 +130,7 @@ class GrammarCompiler:
             if kind in ("json", "json_object"):
                 schema = '{"type": "object"}' if kind == "json_object" else text
                 json.loads(schema)  # a clear message for text that is not JSON at all
-                return compiler.compile_json_schema(
-                    schema,
-                    any_whitespace=any_whitespace,
-                    max_whitespace_cnt=MAX_JSON_WHITESPACE if any_whitespace else None,
-                )
+                return compiler.compile_grammar(_json_schema_grammar(schema, any_whitespace))
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

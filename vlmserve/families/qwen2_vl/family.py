@@ -85,9 +85,10 @@ def render_chat(
     if chat_template_kwargs.get("tools"):
         # As vLLM: a request with tools renders in the tokenizer's template (Qwen2.5-VL's is the
         # Qwen2.5 one, with tools, and takes each message's content as one string).
+        whose = "this checkpoint's" if chat_template is None else "the given"
         chat_template = chat_template or tokenizer.tool_chat_template_source
         if chat_template is None or "tools" not in template_variables(chat_template):
-            raise ValueError("tools: this checkpoint's chat template does not take tools")
+            raise ValueError(f"tools: {whose} chat template does not take tools")
         if not _loops_over_content(chat_template):
             rendered = [_flattened(message) for message in rendered]
     try:

@@ -60,7 +60,7 @@ from vlmserve.families.qwen_vl.tokens import (
     REF_START,
 )
 from vlmserve.model_files import read_json
-from vlmserve.tokenizer import byte_level_token_bytes, compile_chat_template
+from vlmserve.tokenizer import byte_level_token_bytes, compile_chat_template, render_chat_template
 
 # Bump when the cached tokenizer.json's layout changes.
 _CACHE_VERSION = 1
@@ -294,14 +294,13 @@ class QwenVLTokenizer:
         """The make_context prompt text of `messages` (chat_format.chat_prompt; kwargs: system,
         max_window_size), or, given `chat_template`, that Jinja template rendered."""
         if chat_template is not None:
-            import jinja2
-
-            try:
-                return compile_chat_template(chat_template).render(
-                    messages=messages, add_generation_prompt=add_generation_prompt, eos_token=ENDOFTEXT, **kwargs
-                )
-            except jinja2.exceptions.TemplateError as e:
-                raise ValueError(f"the chat template could not render these messages: {e}") from None
+            return render_chat_template(
+                compile_chat_template(chat_template),
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                eos_token=ENDOFTEXT,
+                **kwargs,
+            )
         unknown = {k for k, v in kwargs.items() if v is not None} - {"system", "max_window_size"}
         if unknown:
             raise ValueError(
