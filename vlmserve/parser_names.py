@@ -5,5 +5,6 @@ from __future__ import annotations
 
 # vLLM's "qwen3": <think>...</think> split off as reasoning_content (vlmserve/api/reasoning.py).
 REASONING_PARSERS = ("qwen3",)
-# vLLM's "hermes": <tool_call>{...}</tool_call> blocks (vlmserve/api/tool_parsers.py).
-TOOL_CALL_PARSERS = ("hermes",)
+# vLLM's "hermes": <tool_call>{...}</tool_call> blocks (vlmserve/api/tool_parsers.py); vLLM's
+# "qwen3_coder": Qwen3.5's <tool_call><function=...><parameter=...> blocks (vlmserve/api/qwen3_coder_tools.py).
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")

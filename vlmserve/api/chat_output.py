@@ -4,16 +4,19 @@ split off first, then the tool calls are read from the content.
 
 With a tool_choice that forces a call, the grammar constrains the answer from its first token,
 so there is no reasoning part to split off: the reasoning parser is not applied (vLLM lets a
-thinking model reason first and constrains only what follows `</think>`)."""
+thinking model reason first and constrains only what follows `</think>`). With tool_choice auto,
+a call the model starts inside its reasoning ends the reasoning (reasoning.py): it comes back as
+a call, never as reasoning text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
 from vlmserve.api.reasoning import ThinkReasoningParser
 from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, tool_parser
-from vlmserve.api.tool_parsers import ContentDelta, StreamEvent, ToolCallDelta, new_call_id
+from vlmserve.api.tool_parsers import ContentDelta, HermesToolParser, StreamEvent, ToolCallDelta, new_call_id
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class ChatParsing:
         reasoning = None
         if reasoning_parser is not None and not (tools and forced):
             thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-            reasoning = ThinkReasoningParser(thinking_enabled=thinking)
+            call_start = tool.START if isinstance(tool, HermesToolParser | Qwen3CoderToolParser) else None
+            reasoning = ThinkReasoningParser(thinking_enabled=thinking, call_start=call_start)
         return cls(reasoning, tool, include_reasoning, parallel_tool_calls)
 
     @property

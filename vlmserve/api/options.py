@@ -322,7 +322,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=None,
-        help="how answers are read for tool calls with tool_choice auto: hermes (<tool_call> blocks)",
+        help=(
+            "how answers are read for tool calls: hermes (JSON in <tool_call> blocks: Qwen2.5-VL, Qwen3-VL) or "
+            "qwen3_coder (Qwen3.5's <function=...> blocks, which forced calls are written in too)"
+        ),
     )
     p.add_argument(
         "--enable-auto-tool-choice",

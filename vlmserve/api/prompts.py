@@ -85,6 +85,7 @@ class PromptBuilder:
                 logprobs,
                 self.ctx.max_n,
                 max_grammar_bytes=self.ctx.max_grammar_bytes,
+                tool_call_parser=self.ctx.tool_call_parser,
             )
         )
         try:

@@ -17,6 +17,7 @@ from vlmserve.api.tool_calling import (
     ToolChoice,
     check_tool_choice,
     effective_tool_choice,
+    forced_tool_grammar,
     forced_tool_schema,
 )
 from vlmserve.errors import APIError
@@ -393,9 +394,9 @@ class _SamplingFields(BaseModel):
             out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return out
 
-    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(self, tool_call_parser: str | None = None) -> tuple[str, StructuredOutputsParams] | None:
         """The one grammar the request asks for and the field it used (400 naming the field when
-        it is malformed, or when two fields ask)."""
+        it is malformed, or when two fields ask). `tool_call_parser`: see ChatCompletionRequest."""
         asked: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -441,12 +442,14 @@ class _SamplingFields(BaseModel):
         max_n: int,
         prompt_logprobs: int | None = None,
         max_grammar_bytes: int | None = None,
+        tool_call_parser: str | None = None,
     ) -> SamplingParams:
-        """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes)."""
+        """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes);
+        `tool_call_parser`: the server's --tool-call-parser (the format a forced call is written in)."""
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
         logit_bias = self._logit_bias()
-        asked = self._structured_outputs()
+        asked = self._structured_outputs(tool_call_parser)
         structured_outputs = None if asked is None else asked[1]
         if asked is not None and max_grammar_bytes is not None:
             name, spec = asked
@@ -547,7 +550,7 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs | (self.chat_template_kwargs or {})
 
-    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(self, tool_call_parser: str | None = None) -> tuple[str, StructuredOutputsParams] | None:
         own = super()._structured_outputs()
         forced = forced_tool_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
         if forced is None:
@@ -556,6 +559,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(
                 400, "tool_choice that forces a call cannot be combined with structured outputs", "tool_choice"
             )
+        if tool_call_parser == "qwen3_coder":  # Qwen3.5's format, as its template writes calls
+            grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+            return "tools", StructuredOutputsParams(grammar=grammar)
         # No free whitespace: the call is written as json.dumps writes it (", " and ": "), and a
         # model cannot run on in whitespace inside the call (vLLM allows any).
         return "tools", StructuredOutputsParams(json=forced, disable_any_whitespace=True)

@@ -70,7 +70,7 @@ def _what_to_ask(model: str) -> dict[str, Any]:
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
-        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
     if args.model is None:
         from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
 

@@ -6,11 +6,13 @@ tool_choice:
 - "none" (the default without tools): the tools are still rendered into the prompt (as vLLM does)
   but the answer is never parsed for calls.
 - "auto" (the default with tools): the model decides; its answer is read by the server's
-  `--tool-call-parser` (hermes), which needs `--enable-auto-tool-choice` (as vLLM).
+  `--tool-call-parser` (hermes: JSON in `<tool_call>` blocks, the Qwen2.5 / Qwen3-VL templates';
+  qwen3_coder: Qwen3.5's XML blocks), which needs `--enable-auto-tool-choice` (as vLLM).
 - "required": the answer is forced to vLLM's JSON array of {"name", "parameters"}, one item per
-  call (at least one; at most one with parallel_tool_calls false).
+  call (at least one; at most one with parallel_tool_calls false); on a qwen3_coder server, to
+  that many calls in Qwen3.5's format (qwen3_coder_grammar.py), the format the model knows.
 - {"type": "function", "function": {"name": ...}}: the answer is forced to that function's
-  parameters schema.
+  parameters schema; on a qwen3_coder server, to one call of it in Qwen3.5's format.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, StrictBool
 
 from vlmserve.api.json_limits import JSONLimitError, loads_bounded
+from vlmserve.api.qwen3_coder_grammar import forced_call_grammar
+from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
 from vlmserve.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
 
 MAX_TOOLS = 128
@@ -101,7 +105,22 @@ def forced_tool_schema(
     return {"type": "array", "minItems": 1, "items": item} | ({} if parallel_tool_calls else {"maxItems": 1})
 
 
-ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser
+def forced_tool_grammar(tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool) -> str | None:
+    """The EBNF grammar the answer is forced to on a qwen3_coder server, for "required" and a
+    named function: calls in Qwen3.5's format."""
+    if not tools or not (isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"):
+        return None
+    offered = [(t.function.name, _parameters(t)) for t in tools]
+    if isinstance(tool_choice, NamedToolChoice):
+        return forced_call_grammar([f for f in offered if f[0] == tool_choice.function.name], parallel=False)
+    return forced_call_grammar(offered, parallel=parallel_tool_calls)
+
+
+def _schemas(tools: list[ChatTool]) -> dict[str, Any]:
+    return {t.function.name: _parameters(t) for t in tools}
+
+
+ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser | Qwen3CoderToolParser
 
 
 def tool_parser(
@@ -111,16 +130,17 @@ def tool_parser(
     ValueError when "auto" is asked of a server not started for it."""
     if not tools or tool_choice == "none":
         return None
+    qwen3_coder = auto_parser == "qwen3_coder"
     if isinstance(tool_choice, NamedToolChoice):
-        return NamedToolParser(tool_choice.function.name)
+        return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else NamedToolParser(tool_choice.function.name)
     if tool_choice == "required":
-        return RequiredToolParser()
+        return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else RequiredToolParser()
     if not auto_enabled or auto_parser is None:
         raise ValueError(
             'tool_choice: "auto" tool choice requires the server to be started with --enable-auto-tool-choice '
             "and --tool-call-parser"
         )
-    return HermesToolParser()
+    return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else HermesToolParser()
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
