@@ -165,6 +165,24 @@ class Qwen3CoderToolParser:
         return Qwen3CoderToolStream(self)
 
 
+def _merged(events: list[StreamEvent]) -> list[StreamEvent]:
+    """Consecutive argument pieces of one call as one delta (after the delta with its name)."""
+    out: list[StreamEvent] = []
+    for e in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(e, ToolCallDelta)
+            and isinstance(last, ToolCallDelta)
+            and e.name is None
+            and last.name is None
+            and last.index == e.index
+        ):
+            out[-1] = ToolCallDelta(last.index, None, last.arguments + e.arguments)
+        else:
+            out.append(e)
+    return out
+
+
 class Qwen3CoderToolStream:
     """Qwen3CoderToolParser fed text deltas: a state machine over the block's parts (between
     blocks; before `<function=`; the name; between parameters; a parameter's name; its value;
@@ -194,12 +212,12 @@ class Qwen3CoderToolStream:
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self.pending += delta
-        return self._advance(final=False)
+        return _merged(self._advance(final=False))
 
     def finish(self) -> list[StreamEvent]:
         events = self._advance(final=True)
         self.held_space = []
-        return events
+        return _merged(events)
 
     # -- content -----------------------------------------------------------------------------
 
