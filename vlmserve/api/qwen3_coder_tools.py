@@ -247,10 +247,22 @@ class Qwen3CoderToolStream:
     # -- the machine ---------------------------------------------------------------------------
 
     def _advance(self, final: bool) -> list[StreamEvent]:
+        """Steps of the machine until one needs more text. A step gives its events ([] for none),
+        None when it needs more text (or the text is done), False when the block is not a call."""
+        steps = {
+            "text": self._text,
+            "open": self._open,
+            "name": self._name,
+            "body": self._body,
+            "key": self._key,
+            "value": self._value,
+            "close": self._close,
+            "skip": self._skip,
+        }
         events: list[StreamEvent] = []
         while True:
-            step = getattr(self, "_" + self.state)(final)
-            if step is None:  # needs more text (or the text is done)
+            step = steps[self.state](final)
+            if step is None:
                 return events
             if step is False:
                 events += self._fail()
