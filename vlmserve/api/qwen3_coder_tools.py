@@ -264,10 +264,7 @@ class Qwen3CoderToolStream:
             step = steps[self.state](final)
             if step is None:
                 return events
-            if step is False:
-                events += self._fail()
-                continue
-            events += step
+            events += self._fail() if isinstance(step, bool) else step
 
     def _take(self, n: int) -> str:
         """Consume the next n pending characters (kept as the block's raw text until its name is out)."""
