@@ -234,3 +234,21 @@ def test_a_tool_round_trip_renders_as_transformers_renders_it(
         assert text.endswith("<think>\n\n</think>\n\n" if thinking is False else "<|im_start|>assistant\n<think>\n")
     else:
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}' in text
+
+
+def test_histories_qwen3_5_s_template_refuses_are_400s_naming_messages(servers: dict[str, Server]) -> None:
+    """The template writes a call's arguments as parameters (an object), wants a user query and
+    the system message first: histories without them are a 400, and the server goes on."""
+    server = servers["qwen3_coder"]
+    engine = server.engine_pid()
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}
+    for messages, says in (
+        ([*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}], "wrong type"),
+        ([{"role": "system", "content": "Be brief."}], "No user query found in messages."),
+        ([*MESSAGES, {"role": "system", "content": "Be brief."}], "System message must be at the beginning."),
+    ):
+        response = server.post("/v1/chat/completions", {"messages": messages, "tools": [WEATHER], "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert says in error["message"] and error["param"] == "messages"
+    assert server.health() == 200 and server.engine_pid() == engine
