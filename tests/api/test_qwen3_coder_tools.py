@@ -249,3 +249,24 @@ def test_a_stream_costs_what_its_text_costs(shape) -> None:  # type: ignore[no-u
 def test_the_tiny_checkpoint_ships_the_published_template(tiny35_dir: Path) -> None:
     assert (tiny35_dir / "chat_template.jinja").read_text() == QWEN3_5_CHAT_TEMPLATE
     assert not (tiny35_dir / "chat_template.json").exists()
+
+
+fragments = st.sampled_from(
+    ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "<tool_", "</par"]
+    + ["get_weather", "days", "where", ">", "\n", " ", "x", "1", "{", "[", "True", "é"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(fragments, max_size=30).map("".join), st.lists(st.integers(0, 10_000), max_size=8))
+def test_any_text_is_read_without_error_and_its_calls_are_json(text: str, cuts: list[int]) -> None:
+    """Model output of the format's pieces in any order: whole and streamed, never an error; a
+    call's arguments are a JSON object; without calls the whole answer is its content."""
+    whole = PARSER.parse(text)
+    for call in whole.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict)
+    if not whole.tool_calls:
+        assert whole.content == text
+    streamed = replay(PARSER, text, cuts)
+    if whole.tool_calls:  # a stream that read calls gives them as the whole answer does
+        assert streamed == whole
