@@ -226,3 +226,23 @@ def test_tools_with_thinking_stream_gives_the_whole_message_for_any_split(
     want, got = whole_and_streamed(p, text)
     for cut, one in enumerate(got):
         assert one == want, (text, cut)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_forced_call_follows_the_reasoning_in_qwen3_5_s_format_only(fmt: str) -> None:
+    """On a qwen3_coder server a thinking answer reasons before its forced call (its grammar
+    lets it, as vLLM); the JSON forced on other servers applies from the first token."""
+    named = NamedToolChoice.model_validate({"function": {"name": "f"}})
+    thinking = {
+        "hermes": {"required": '[{"name": "f", "parameters": {"x": 1}}]', "named": '{"x": 1}'},
+        "qwen3_coder": {"required": "Hmm.\n</think>\n\n" + XML_CALL, "named": "Hmm.\n</think>\n\n" + XML_CALL},
+    }[fmt]
+    for choice, key in (("required", "required"), (named, "named")):
+        message, _ = parsing(choice, tool_call_parser=fmt).message(thinking[key], "stop")
+        assert calls(message) == [("f", {"x": 1})] and message["content"] is None
+        assert message.get("reasoning_content", "absent") == ("Hmm.\n" if fmt == "qwen3_coder" else "absent")
+    # Thinking off: the template closed the reasoning; the call comes first.
+    off = parsing("required", tool_call_parser=fmt, chat_template_kwargs={"enable_thinking": False})
+    answer = {"hermes": thinking["required"], "qwen3_coder": XML_CALL}[fmt]
+    message, _ = off.message(answer, "stop")
+    assert calls(message) == [("f", {"x": 1})] and not message.get("reasoning_content")

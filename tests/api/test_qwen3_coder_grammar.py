@@ -148,3 +148,12 @@ def test_everything_it_admits_is_read_back_as_calls_of_their_types(compiler: xgr
                     assert key != "hot" or isinstance(value, bool)
         read += 1
     assert read > 50
+
+
+def test_with_reasoning_the_calls_come_after_it(compiler: xgrammar.GrammarCompiler) -> None:
+    grammar = compiler.compile_grammar(forced_call_grammar(FUNCTIONS, parallel=False, reasoning=True))
+    for reasoning in ("", "Let me see: <b> and </thin\nk.\n"):
+        assert admits(grammar, reasoning + "</think>\n\n" + call("get_time"))
+    assert not admits(grammar, call("get_time"))  # the prompt opened the reasoning: it closes first
+    assert not admits(grammar, "a</think>b</think>\n\n" + call("get_time"))
+    assert not admits(grammar, "a</think>\n\nSure. " + call("get_time"))

@@ -75,6 +75,10 @@ def answer_text(model_dir: Path, token_ids: list[int]) -> str:
 
 
 FORMATS = ["hermes", "qwen3_coder"]
+# On the qwen3_coder server a thinking answer reasons before a forced call (as vLLM): `</think>`
+# favoured, the random model ends its reasoning at once (the grammar then allows it nowhere else
+# these tools' values could take it).
+CLOSE_THINKING = {"logit_bias": {"151668": 100}}
 # How each format writes the start of a call to get_weather.
 CALL_START = {"hermes": '<tool_call>\n{"name": "get_weather"', "qwen3_coder": "<tool_call>\n<function=get_weather>\n"}
 
@@ -86,30 +90,33 @@ def test_a_named_function_is_called_in_the_server_s_format(
     client = client_of(servers[fmt])
     choice = {"type": "function", "function": {"name": "get_weather"}}
     request = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, **GREEDY)
-    whole = client.chat.completions.create(model="tiny", extra_body={"return_token_ids": True}, **request).choices[0]  # type: ignore[call-overload]
+    extra = {"return_token_ids": True} | CLOSE_THINKING
+    whole = client.chat.completions.create(model="tiny", extra_body=extra, **request).choices[0]  # type: ignore[call-overload]
     assert whole.finish_reason == "tool_calls", whole
     [(name, arguments)] = calls_of(whole.message)
     assert name == "get_weather"
     assert json.loads(arguments)["city"] in ("Paris", "Oslo")
     assert isinstance(json.loads(arguments)["celsius"], bool)  # typed by the schema in both formats
-    # With thinking on (Qwen3.5's default), the forced call is a call, not reasoning.
-    assert (whole.message.model_extra or {}).get("reasoning_content") is None
+    assert whole.message.content is None
     text = answer_text(dirs[fmt], (whole.model_extra or {})["token_ids"])
-    if fmt == "qwen3_coder":  # written as Qwen3.5's template writes calls
-        assert text.startswith(CALL_START[fmt]), text
+    reasoning = (whole.message.model_extra or {}).get("reasoning_content")
+    if fmt == "qwen3_coder":  # thinking on (Qwen3.5's default): reasoning, then the call as the template writes it
+        assert reasoning == "" and text.startswith("</think>\n\n" + CALL_START[fmt]), text
         assert re.search(r"<parameter=celsius>\n(true|false)\n</parameter>\n</function>\n</tool_call>", text), text
-    else:  # vLLM's: the function's parameters as JSON
-        assert json.loads(text) == json.loads(arguments)
-    stream, finish = streamed(client, **request)
+    else:  # vLLM's: the function's parameters as JSON, from the first token
+        assert reasoning is None and json.loads(text) == json.loads(arguments)
+    stream, finish = streamed(client, extra_body=CLOSE_THINKING, **request)
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in stream["tool_calls"].values()] == [(name, arguments)]
     assert stream["reasoning_content"] == ""
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_required_calls_one_of_the_tools(fmt: str, servers: dict[str, Server]) -> None:
+def test_required_calls_one_of_the_tools(fmt: str, servers: dict[str, Server], dirs: dict[str, Path]) -> None:
     client = client_of(servers[fmt])
-    request = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    request = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False) | {
+        "extra_body": CLOSE_THINKING
+    }
     whole = client.chat.completions.create(model="tiny", **request, **GREEDY).choices[0]  # type: ignore[call-overload]
     assert whole.finish_reason == "tool_calls", whole
     [(name, arguments)] = calls_of(whole.message)
@@ -118,10 +125,12 @@ def test_required_calls_one_of_the_tools(fmt: str, servers: dict[str, Server]) -
     stream, _ = streamed(client, **request, **GREEDY)
     assert [(c["name"], c["arguments"]) for c in stream["tool_calls"].values()] == [(name, arguments)]
     # Thinking off changes the prompt, not the call's format.
-    off = client.chat.completions.create(
-        model="tiny", extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **request, **GREEDY
-    ).choices[0]  # type: ignore[call-overload]
+    request["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+    off = client.chat.completions.create(model="tiny", **request, **GREEDY).choices[0]  # type: ignore[call-overload]
     assert off.finish_reason == "tool_calls" and len(calls_of(off.message)) == 1
+    assert (off.message.model_extra or {}).get("reasoning_content") is None
+    if fmt == "qwen3_coder":  # the template closed the reasoning: the call from the first token
+        assert answer_text(dirs[fmt], (off.model_extra or {})["token_ids"]).startswith("<tool_call>\n<function=")
 
 
 # The call each format writes, for a regex (the city left to the model).

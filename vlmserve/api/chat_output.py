@@ -4,7 +4,9 @@ split off first, then the tool calls are read from the content.
 
 With a tool_choice that forces a call, the grammar constrains the answer from its first token,
 so there is no reasoning part to split off: the reasoning parser is not applied (vLLM lets a
-thinking model reason first and constrains only what follows `</think>`). With tool_choice auto,
+thinking model reason first and constrains only what follows `</think>`), except for calls in
+Qwen3.5's format, whose grammar lets a thinking answer reason first (tool_calling.py,
+reasons_before_forced_calls). With tool_choice auto,
 a call the model starts inside its reasoning ends the reasoning (reasoning.py): it comes back as
 a call, never as reasoning text."""
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
 from vlmserve.api.reasoning import ThinkReasoningParser
-from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, tool_parser
+from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, reasons_before_forced_calls, tool_parser
 from vlmserve.api.tool_parsers import ContentDelta, HermesToolParser, StreamEvent, ToolCallDelta, new_call_id
 
 
@@ -42,10 +44,12 @@ class ChatParsing:
     ) -> ChatParsing:
         """ValueError (naming the field) when the server cannot parse what the request asks."""
         tool = tool_parser(tools, tool_choice, tool_call_parser, enable_auto_tool_choice)
-        forced = isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"
+        forced = bool(tools) and (isinstance(tool_choice, NamedToolChoice) or tool_choice == "required")
+        thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
         reasoning = None
-        if reasoning_parser is not None and not (tools and forced):
-            thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        if forced and reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking):
+            reasoning = ThinkReasoningParser()  # the grammar: reasoning, `</think>`, then the calls
+        elif reasoning_parser is not None and not forced:
             call_start = tool.START if isinstance(tool, HermesToolParser | Qwen3CoderToolParser) else None
             reasoning = ThinkReasoningParser(thinking_enabled=thinking, call_start=call_start)
         return cls(reasoning, tool, include_reasoning, parallel_tool_calls)

@@ -19,6 +19,7 @@ from vlmserve.api.tool_calling import (
     effective_tool_choice,
     forced_tool_grammar,
     forced_tool_schema,
+    reasons_before_forced_calls,
 )
 from vlmserve.errors import APIError
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
@@ -394,9 +395,11 @@ class _SamplingFields(BaseModel):
             out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return out
 
-    def _structured_outputs(self, tool_call_parser: str | None = None) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(
+        self, tool_call_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> tuple[str, StructuredOutputsParams] | None:
         """The one grammar the request asks for and the field it used (400 naming the field when
-        it is malformed, or when two fields ask). `tool_call_parser`: see ChatCompletionRequest."""
+        it is malformed, or when two fields ask). The parsers: see ChatCompletionRequest."""
         asked: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -443,13 +446,15 @@ class _SamplingFields(BaseModel):
         prompt_logprobs: int | None = None,
         max_grammar_bytes: int | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> SamplingParams:
         """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes);
-        `tool_call_parser`: the server's --tool-call-parser (the format a forced call is written in)."""
+        `tool_call_parser`, `reasoning_parser`: the server's --tool-call-parser and --reasoning-parser
+        (the format a forced call is written in, and whether reasoning comes first)."""
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
         logit_bias = self._logit_bias()
-        asked = self._structured_outputs(tool_call_parser)
+        asked = self._structured_outputs(tool_call_parser, reasoning_parser)
         structured_outputs = None if asked is None else asked[1]
         if asked is not None and max_grammar_bytes is not None:
             name, spec = asked
@@ -550,7 +555,9 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs | (self.chat_template_kwargs or {})
 
-    def _structured_outputs(self, tool_call_parser: str | None = None) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(
+        self, tool_call_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> tuple[str, StructuredOutputsParams] | None:
         own = super()._structured_outputs()
         forced = forced_tool_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
         if forced is None:
@@ -560,7 +567,9 @@ class ChatCompletionRequest(_SamplingFields):
                 400, "tool_choice that forces a call cannot be combined with structured outputs", "tool_choice"
             )
         if tool_call_parser == "qwen3_coder":  # Qwen3.5's format, as its template writes calls
-            grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+            thinking = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+            reasoning = reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking)
+            grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls, reasoning)
             return "tools", StructuredOutputsParams(grammar=grammar)
         # No free whitespace: the call is written as json.dumps writes it (", " and ": "), and a
         # model cannot run on in whitespace inside the call (vLLM allows any).

@@ -1,7 +1,8 @@
 """The grammar (xgrammar's EBNF) that forces a call in Qwen3.5's tool-call format, for
 tool_choice "required" or a named function on a server started with `--tool-call-parser
 qwen3_coder`: the answer is one call (or several, one per line, when parallel calls are allowed)
-of the offered functions, written as the published template writes a call,
+of the offered functions (after the model's reasoning, where the prompt opened it), written as
+the published template writes a call,
 
     <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
@@ -19,18 +20,24 @@ from typing import Any
 
 from vlmserve.api.qwen3_coder_tools import PARAMETER_END, schema_types
 
-# A string value: text in which `</parameter>` never occurs, as a right-linear grammar (one rule
-# per state of matching the tag; xgrammar matches it in time linear in the text). State k has
-# matched the tag's first k characters; `<` (which occurs in the tag only first) restarts at 1.
+# A string value: text in which `</parameter>` never occurs; the reasoning before forced calls:
+# text in which `</think>` never occurs. Each as a right-linear grammar (one rule per state of
+# matching the tag; xgrammar matches it in time linear in the text): state k has matched the tag's
+# first k characters; `<` (which occurs in these tags only first) restarts at 1.
 _TEXT_RULE = "xml_text0"
+_THINK_RULE = "think_text0"
+THINK_END = "</think>"
 
 
-def _text_rules() -> list[str]:
-    tag = PARAMETER_END
-    rules = [f'{_TEXT_RULE} ::= "" | [^<] {_TEXT_RULE} | "<" xml_text1']
+def _text_without(tag: str, name: str) -> list[str]:
+    """Rules `{name}0` ... of text in which `tag` (whose first character occurs only there) never occurs."""
+    assert tag[0] not in tag[1:]
+    first = _class_char(tag[0])
+    rules = [f'{name}0 ::= "" | [^{first}] {name}0 | {_literal(tag[0])} {name}1']
     for k in range(1, len(tag)):
-        after = f"{_literal(tag[k])} xml_text{k + 1} | " if k + 1 < len(tag) else ""
-        rules.append(f'xml_text{k} ::= "" | {after}"<" xml_text1 | [^<{_class_char(tag[k])}] {_TEXT_RULE}')
+        after = f"{_literal(tag[k])} {name}{k + 1} | " if k + 1 < len(tag) else ""
+        restart = f"{_literal(tag[0])} {name}1"
+        rules.append(f'{name}{k} ::= "" | {after}{restart} | [^{first}{_class_char(tag[k])}] {name}0')
     return rules
 
 
@@ -92,13 +99,17 @@ def _function_rules(index: int, name: str, parameters: Any) -> list[str]:
     return [f"f{index} ::= {body}", *rules]
 
 
-def forced_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool) -> str:
+def forced_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool, reasoning: bool = False) -> str:
     """The EBNF grammar of a forced answer calling one of `functions` ((name, parameters schema)),
-    or several, one per line, when `parallel`."""
+    or several, one per line, when `parallel`; with `reasoning`, after the model's reasoning (any
+    text, then `</think>` and a blank line, as the template closes it): the prompt opened it."""
+    calls = "call" + (' ("\\n" call)*' if parallel else "")
     rules = [
-        "root ::= call" + (' ("\\n" call)*' if parallel else ""),
+        f'root ::= {_THINK_RULE} "{THINK_END}\\n\\n" {calls}' if reasoning else f"root ::= {calls}",
         'call ::= "<tool_call>\\n" (' + " | ".join(f"f{i}" for i in range(len(functions))) + ') "\\n</tool_call>"',
     ]
     for i, (name, parameters) in enumerate(functions):
         rules += _function_rules(i, name, parameters)
-    return "\n".join(rules + _text_rules() + _JSON_RULES) + "\n"
+    rules += _text_without(PARAMETER_END, _TEXT_RULE[:-1])
+    rules += _text_without(THINK_END, _THINK_RULE[:-1]) if reasoning else []
+    return "\n".join(rules + _JSON_RULES) + "\n"

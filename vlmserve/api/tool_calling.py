@@ -10,7 +10,8 @@ tool_choice:
   qwen3_coder: Qwen3.5's XML blocks), which needs `--enable-auto-tool-choice` (as vLLM).
 - "required": the answer is forced to vLLM's JSON array of {"name", "parameters"}, one item per
   call (at least one; at most one with parallel_tool_calls false); on a qwen3_coder server, to
-  that many calls in Qwen3.5's format (qwen3_coder_grammar.py), the format the model knows.
+  that many calls in Qwen3.5's format (qwen3_coder_grammar.py), the format the model knows, after
+  the model's reasoning when the reasoning parser reads a thinking answer (as vLLM).
 - {"type": "function", "function": {"name": ...}}: the answer is forced to that function's
   parameters schema; on a qwen3_coder server, to one call of it in Qwen3.5's format.
 """
@@ -105,15 +106,25 @@ def forced_tool_schema(
     return {"type": "array", "minItems": 1, "items": item} | ({} if parallel_tool_calls else {"maxItems": 1})
 
 
-def forced_tool_grammar(tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool) -> str | None:
+def reasons_before_forced_calls(tool_call_parser: str | None, reasoning_parser: str | None, thinking: bool) -> bool:
+    """Whether a forced call comes after the model's reasoning: on a qwen3_coder server whose
+    reasoning parser reads a thinking answer (vLLM constrains only what follows `</think>`; the
+    JSON forced on other servers applies from the first token)."""
+    return tool_call_parser == "qwen3_coder" and reasoning_parser is not None and thinking
+
+
+def forced_tool_grammar(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool, reasoning: bool = False
+) -> str | None:
     """The EBNF grammar the answer is forced to on a qwen3_coder server, for "required" and a
-    named function: calls in Qwen3.5's format."""
+    named function: calls in Qwen3.5's format (after the reasoning, with `reasoning`)."""
     if not tools or not (isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"):
         return None
     offered = [(t.function.name, _parameters(t)) for t in tools]
     if isinstance(tool_choice, NamedToolChoice):
-        return forced_call_grammar([f for f in offered if f[0] == tool_choice.function.name], parallel=False)
-    return forced_call_grammar(offered, parallel=parallel_tool_calls)
+        named = [f for f in offered if f[0] == tool_choice.function.name]
+        return forced_call_grammar(named, parallel=False, reasoning=reasoning)
+    return forced_call_grammar(offered, parallel=parallel_tool_calls, reasoning=reasoning)
 
 
 def _schemas(tools: list[ChatTool]) -> dict[str, Any]:
