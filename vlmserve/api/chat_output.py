@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
 from vlmserve.api.reasoning import ThinkReasoningParser
 from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, reasons_before_forced_calls, tool_parser
 from vlmserve.api.tool_parsers import ContentDelta, HermesToolParser, StreamEvent, ToolCallDelta, new_call_id
+from vlmserve.api.xml_tool_parser import XmlToolParser
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ChatParsing:
         if forced and reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking):
             reasoning = ThinkReasoningParser()  # the grammar: reasoning, `</think>`, then the calls
         elif reasoning_parser is not None and not forced:
-            call_start = tool.START if isinstance(tool, HermesToolParser | Qwen3CoderToolParser) else None
+            call_start = tool.START if isinstance(tool, HermesToolParser | XmlToolParser) else None
             reasoning = ThinkReasoningParser(thinking_enabled=thinking, call_start=call_start)
         return cls(reasoning, tool, include_reasoning, parallel_tool_calls)
 

@@ -23,7 +23,12 @@ from vlmserve.arg_types import (
     positive_int,
 )
 from vlmserve.errors import UsageError, UserError
-from vlmserve.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+from vlmserve.parser_names import (
+    JSON_TOOL_CALL_PARSER,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    XML_TOOL_CALL_PARSER,
+)
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
@@ -323,8 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help=(
-            "how answers are read for tool calls: hermes (JSON in <tool_call> blocks: Qwen2.5-VL, Qwen3-VL) or "
-            "qwen3_coder (Qwen3.5's <function=...> blocks, which forced calls are written in too)"
+            f"how answers are read for tool calls (vLLM's names): {JSON_TOOL_CALL_PARSER} (JSON in <tool_call> "
+            f"blocks) or {XML_TOOL_CALL_PARSER} (<function=...><parameter=...> blocks in <tool_call>, which forced "
+            "calls are written in too); the checkpoint's chat template says which"
         ),
     )
     p.add_argument(

@@ -23,6 +23,7 @@ from vlmserve.api.tool_calling import (
 )
 from vlmserve.errors import APIError
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
+from vlmserve.parser_names import XML_TOOL_CALL_PARSER
 from vlmserve.processor.chat import MAX_ROLE_LENGTH, MAX_UUID_LENGTH, SIZING_KEYS
 from vlmserve.sampling_params import (
     FLOAT32_TINY,
@@ -566,7 +567,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(
                 400, "tool_choice that forces a call cannot be combined with structured outputs", "tool_choice"
             )
-        if tool_call_parser == "qwen3_coder":  # Qwen3.5's format, as its template writes calls
+        if tool_call_parser == XML_TOOL_CALL_PARSER:  # Qwen3.5's format, as its template writes calls
             thinking = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
             reasoning = reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking)
             grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls, reasoning)

@@ -50,6 +50,7 @@ from vlmserve.engine.config import EngineConfig
 from vlmserve.errors import UserError
 from vlmserve.ipc import shm
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.parser_names import TOOL_CALL_PARSERS
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 from vlmserve.version import package_version
 
@@ -70,7 +71,7 @@ def _what_to_ask(model: str) -> dict[str, Any]:
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
-        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)")
+        raise UserError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")
     if args.model is None:
         from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
 

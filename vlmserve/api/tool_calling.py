@@ -10,7 +10,7 @@ tool_choice:
   qwen3_coder: Qwen3.5's XML blocks), which needs `--enable-auto-tool-choice` (as vLLM).
 - "required": the answer is forced to vLLM's JSON array of {"name", "parameters"}, one item per
   call (at least one; at most one with parallel_tool_calls false); on a qwen3_coder server, to
-  that many calls in Qwen3.5's format (qwen3_coder_grammar.py), the format the model knows, after
+  that many calls in Qwen3.5's format (xml_tool_grammar.py), the format the model knows, after
   the model's reasoning when the reasoning parser reads a thinking answer (as vLLM).
 - {"type": "function", "function": {"name": ...}}: the answer is forced to that function's
   parameters schema; on a qwen3_coder server, to one call of it in Qwen3.5's format.
@@ -23,9 +23,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, StrictBool
 
 from vlmserve.api.json_limits import JSONLimitError, loads_bounded
-from vlmserve.api.qwen3_coder_grammar import forced_call_grammar
-from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
 from vlmserve.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+from vlmserve.api.xml_tool_grammar import forced_call_grammar
+from vlmserve.api.xml_tool_parser import XmlToolParser
+from vlmserve.parser_names import XML_TOOL_CALL_PARSER
 
 MAX_TOOLS = 128
 
@@ -110,7 +111,7 @@ def reasons_before_forced_calls(tool_call_parser: str | None, reasoning_parser: 
     """Whether a forced call comes after the model's reasoning: on a qwen3_coder server whose
     reasoning parser reads a thinking answer (vLLM constrains only what follows `</think>`; the
     JSON forced on other servers applies from the first token)."""
-    return tool_call_parser == "qwen3_coder" and reasoning_parser is not None and thinking
+    return tool_call_parser == XML_TOOL_CALL_PARSER and reasoning_parser is not None and thinking
 
 
 def forced_tool_grammar(
@@ -131,7 +132,7 @@ def _schemas(tools: list[ChatTool]) -> dict[str, Any]:
     return {t.function.name: _parameters(t) for t in tools}
 
 
-ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser | Qwen3CoderToolParser
+ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser | XmlToolParser
 
 
 def tool_parser(
@@ -141,17 +142,17 @@ def tool_parser(
     ValueError when "auto" is asked of a server not started for it."""
     if not tools or tool_choice == "none":
         return None
-    qwen3_coder = auto_parser == "qwen3_coder"
+    xml = auto_parser == XML_TOOL_CALL_PARSER
     if isinstance(tool_choice, NamedToolChoice):
-        return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else NamedToolParser(tool_choice.function.name)
+        return XmlToolParser(_schemas(tools)) if xml else NamedToolParser(tool_choice.function.name)
     if tool_choice == "required":
-        return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else RequiredToolParser()
+        return XmlToolParser(_schemas(tools)) if xml else RequiredToolParser()
     if not auto_enabled or auto_parser is None:
         raise ValueError(
             'tool_choice: "auto" tool choice requires the server to be started with --enable-auto-tool-choice '
             "and --tool-call-parser"
         )
-    return Qwen3CoderToolParser(_schemas(tools)) if qwen3_coder else HermesToolParser()
+    return XmlToolParser(_schemas(tools)) if xml else HermesToolParser()
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,8 +15,8 @@ import torch
 import transformers
 import xgrammar
 
-from vlmserve.api.qwen3_coder_grammar import forced_call_grammar
-from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser
+from vlmserve.api.xml_tool_grammar import forced_call_grammar
+from vlmserve.api.xml_tool_parser import XmlToolParser
 
 WEATHER = {
     "type": "object",
@@ -66,7 +66,7 @@ def test_it_admits_what_the_published_template_writes(compiler: xgrammar.Grammar
     answer = answer.replace("\nTrue\n", "\ntrue\n").replace("\nNone\n", "\nnull\n")
     grammar = compiler.compile_grammar(forced_call_grammar(FUNCTIONS, parallel=True))
     assert admits(grammar, answer), answer
-    assert [json.loads(c.arguments) for c in Qwen3CoderToolParser(dict(FUNCTIONS)).parse(answer).tool_calls] == [
+    assert [json.loads(c.arguments) for c in XmlToolParser(dict(FUNCTIONS)).parse(answer).tool_calls] == [
         arguments,
         {},
     ]
@@ -127,7 +127,7 @@ def random_answer(grammar: xgrammar.CompiledGrammar, rng: random.Random, max_byt
 
 def test_everything_it_admits_is_read_back_as_calls_of_their_types(compiler: xgrammar.GrammarCompiler) -> None:
     grammar = compiler.compile_grammar(forced_call_grammar(FUNCTIONS, parallel=True))
-    parser = Qwen3CoderToolParser(dict(FUNCTIONS))
+    parser = XmlToolParser(dict(FUNCTIONS))
     rng = random.Random(0)
     types = {"days": int, "scale": (int, float), "hot": bool, "where": dict, "city": str, "unit": str}
     read = 0

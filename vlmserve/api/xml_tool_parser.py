@@ -138,7 +138,7 @@ def parameter_types(schemas: Mapping[str, Any], function: str) -> dict[str, set[
     return {str(key): schema_types(value) for key, value in properties.items()}
 
 
-class Qwen3CoderToolParser:
+class XmlToolParser:
     """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`
     blocks (vLLM's qwen3_coder parser). `schemas`: each offered function's parameters schema."""
 
@@ -148,7 +148,7 @@ class Qwen3CoderToolParser:
         self.schemas: Mapping[str, Any] = schemas or {}
 
     def parse(self, text: str) -> ParsedOutput:
-        stream = Qwen3CoderToolStream(self)
+        stream = XmlToolStream(self)
         events = stream.feed(text) + stream.finish()
         if stream.failed:
             return ParsedOutput(text, [])
@@ -161,8 +161,8 @@ class Qwen3CoderToolParser:
                 calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + e.arguments)
         return ParsedOutput(content if content.strip() or not calls else None, calls)
 
-    def stream(self) -> Qwen3CoderToolStream:
-        return Qwen3CoderToolStream(self)
+    def stream(self) -> XmlToolStream:
+        return XmlToolStream(self)
 
 
 def _merged(events: list[StreamEvent]) -> list[StreamEvent]:
@@ -183,8 +183,8 @@ def _merged(events: list[StreamEvent]) -> list[StreamEvent]:
     return out
 
 
-class Qwen3CoderToolStream:
-    """Qwen3CoderToolParser fed text deltas: a state machine over the block's parts (between
+class XmlToolStream:
+    """XmlToolParser fed text deltas: a state machine over the block's parts (between
     blocks; before `<function=`; the name; between parameters; a parameter's name; its value;
     after `</function>`). Text outside blocks streams as content, a possible start of
     `<tool_call>` held back, and whitespace after a call held until text follows it (the whole
@@ -194,7 +194,7 @@ class Qwen3CoderToolStream:
     delta), and a name or a non-string value is collected in parts and joined once, when it
     ends: the work per delta is proportional to the delta."""
 
-    def __init__(self, parser: Qwen3CoderToolParser) -> None:
+    def __init__(self, parser: XmlToolParser) -> None:
         self.parser = parser
         self.pending = ""  # text not yet consumed
         self.state = "text"

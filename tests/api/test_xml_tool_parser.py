@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from tests.api.test_tool_parsers import fed_by_character, lines_run, replay
 from vlmserve.api.json_limits import MAX_JSON_DEPTH
-from vlmserve.api.qwen3_coder_tools import Qwen3CoderToolParser, value_json
 from vlmserve.api.tool_parsers import ContentDelta, ParsedOutput, ToolCall, ToolCallDelta
+from vlmserve.api.xml_tool_parser import XmlToolParser, value_json
 from vlmserve.families.qwen3_5.chat_template import QWEN3_5_CHAT_TEMPLATE
 
 SCHEMAS = {
@@ -34,7 +34,7 @@ SCHEMAS = {
         },
     }
 }
-PARSER = Qwen3CoderToolParser(SCHEMAS)
+PARSER = XmlToolParser(SCHEMAS)
 
 
 def block(name: str, *params: tuple[str, str]) -> str:

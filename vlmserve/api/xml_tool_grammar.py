@@ -7,7 +7,7 @@ the published template writes a call,
     <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 
 with the function's parameters in the order its schema lists them (the required ones always,
-the others optionally, no others), each value of the type the schema gives it (qwen3_coder_tools.
+the others optionally, no others), each value of the type the schema gives it (xml_tool_parser.
 schema_types): a string is any text without `</parameter>`; an integer, a number, a boolean, null
 as JSON writes them; an object or an array any JSON one (as `tojson` writes it); an `enum` or
 `const` one of its values."""
@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vlmserve.api.qwen3_coder_tools import PARAMETER_END, schema_types
+from vlmserve.api.xml_tool_parser import PARAMETER_END, schema_types
 
 # A string value: text in which `</parameter>` never occurs; the reasoning before forced calls:
 # text in which `</think>` never occurs. Each as a right-linear grammar (one rule per state of
