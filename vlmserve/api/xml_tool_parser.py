@@ -196,7 +196,8 @@ class XmlToolStream:
 
     def __init__(self, parser: XmlToolParser) -> None:
         self.parser = parser
-        self.pending = ""  # text not yet consumed
+        self.pending = ""  # text not yet consumed, from self.pos on
+        self.pos = 0
         self.state = "text"
         self.calls = 0  # blocks read as calls (the open one included once its name went out)
         self.held_space: list[str] = []  # whitespace after a call, not yet sent
@@ -238,13 +239,15 @@ class XmlToolStream:
         answer; whose name has, the rest of it is dropped up to its `</tool_call>`."""
         self.failed = True
         if self.state in ("open", "name"):
-            raw = "".join(self.raw) + self.pending
-            self.state, self.raw, self.pending = "text", [], ""
+            raw = "".join(self.raw) + self.pending[self.pos :]
+            self.state, self.raw, self.pos = "text", [], len(self.pending)
             return self._content(raw)
         self.state = "skip"
         return []
 
     # -- the machine ---------------------------------------------------------------------------
+    # Each step reads self.pending from self.pos on (NOTE: never slicing off what it consumed, which
+    # would copy the rest each time: a whole answer is fed at once); _advance drops what they read.
 
     def _advance(self, final: bool) -> list[StreamEvent]:
         """Steps of the machine until one needs more text. A step gives its events ([] for none),
@@ -263,12 +266,13 @@ class XmlToolStream:
         while True:
             step = steps[self.state](final)
             if step is None:
+                self.pending, self.pos = self.pending[self.pos :], 0
                 return events
             events += self._fail() if isinstance(step, bool) else step
 
-    def _take(self, n: int) -> str:
-        """Consume the next n pending characters (kept as the block's raw text until its name is out)."""
-        taken, self.pending = self.pending[:n], self.pending[n:]
+    def _take(self, end: int) -> str:
+        """Consume the pending text up to `end` (kept as the block's raw text until its name is out)."""
+        taken, self.pos = self.pending[self.pos : end], end
         if self.state in ("open", "name"):
             self.raw.append(taken)
         return taken
@@ -276,30 +280,30 @@ class XmlToolStream:
     def _expect(self, final: bool, *tags: str) -> str | bool | None:
         """After whitespace, which of `tags` comes next (consumed): the tag; False when none can;
         None while more text is needed to tell."""
-        m = _NOT_WS.search(self.pending)
+        m = _NOT_WS.search(self.pending, self.pos)
         self._take(len(self.pending) if m is None else m.start())
-        rest = self.pending[: max(map(len, tags))]
+        rest = self.pending[self.pos : self.pos + max(map(len, tags))]
         for tag in tags:
             if rest.startswith(tag):
-                self._take(len(tag))
+                self._take(self.pos + len(tag))
                 return tag
         if not final and any(tag.startswith(rest) for tag in tags):
             return None
         return False
 
     def _text(self, final: bool) -> list[StreamEvent] | None:
-        if not self.pending:
+        if self.pos == len(self.pending):
             return None
-        k = -1 if self.failed else self.pending.find(TOOL_CALL_START)
+        k = -1 if self.failed else self.pending.find(TOOL_CALL_START, self.pos)
         if k < 0:
-            end = len(self.pending) if final else len(self.pending) - held_prefix(self.pending, TOOL_CALL_START)
-            events = self._content(self.pending[:end])
-            self.pending = self.pending[end:]
+            held = 0 if final else held_prefix(self.pending, TOOL_CALL_START, self.pos)
+            end = len(self.pending) - held
+            events = self._content(self.pending[self.pos : end])
+            self.pos = end
             return events or None
-        events = self._content(self.pending[:k])
-        self.pending = self.pending[k:]
-        self.state = "open"
-        self._take(len(TOOL_CALL_START))
+        events = self._content(self.pending[self.pos : k])
+        self.pos, self.state = k, "open"
+        self._take(k + len(TOOL_CALL_START))
         return events
 
     def _open(self, final: bool) -> list[StreamEvent] | bool | None:
@@ -311,15 +315,15 @@ class XmlToolStream:
 
     def _read_name(self, final: bool) -> str | bool | None:
         """The name up to `>` (consumed), False when it cannot be one, None while it goes on."""
-        end = self.pending.find(">")
-        piece = self.pending if end < 0 else self.pending[:end]
-        self.parts_chars += len(piece)
-        if _NAME_BREAK.search(piece) or self.parts_chars > MAX_NAME_CHARS:
+        end = self.pending.find(">", self.pos)
+        stop = len(self.pending) if end < 0 else end
+        self.parts_chars += stop - self.pos
+        if self.parts_chars > MAX_NAME_CHARS or _NAME_BREAK.search(self.pending, self.pos, stop):
             return False
-        self.parts.append(self._take(len(piece)))
+        self.parts.append(self._take(stop))
         if end < 0:
             return False if final else None
-        self._take(1)
+        self._take(end + 1)
         name, self.parts = "".join(self.parts), []
         return name if name else False
 
@@ -359,20 +363,21 @@ class XmlToolStream:
 
     def _value(self, final: bool) -> list[StreamEvent] | bool | None:
         if not self.value_started:
-            if not self.pending:
+            if self.pos == len(self.pending):
                 return False if final else None
             self.value_started = True
-            self.pending = self.pending.removeprefix("\n")
-        end = self.pending.find(PARAMETER_END)
+            if self.pending.startswith("\n", self.pos):
+                self.pos += 1
+        end = self.pending.find(PARAMETER_END, self.pos)
         if end < 0:
             if final:
                 return False  # a parameter left open
-            stop = len(self.pending) - held_prefix(self.pending, PARAMETER_END)
-            if stop == 0:
+            stop = len(self.pending) - held_prefix(self.pending, PARAMETER_END, self.pos)
+            if stop == self.pos:
                 return None
-            piece, self.pending = self.pending[:stop], self.pending[stop:]
+            piece, self.pos = self.pending[self.pos : stop], stop
         else:
-            piece, self.pending = self.pending[:end], self.pending[end + len(PARAMETER_END) :]
+            piece, self.pos = self.pending[self.pos : end], end + len(PARAMETER_END)
             self.state = "body"
         closed = end >= 0
         if is_text(self.value_types):
@@ -397,9 +402,8 @@ class XmlToolStream:
         return json.dumps(text, ensure_ascii=False)[1:-1] + ('"' if closed else "")
 
     def _close(self, final: bool) -> list[StreamEvent] | bool | None:
-        if not self.pending.strip() and final:
-            self.pending = ""
-            self.state = "text"
+        if final and _NOT_WS.search(self.pending, self.pos) is None:
+            self.pos, self.state = len(self.pending), "text"
             return None
         tag = self._expect(final, TOOL_CALL_END)
         if not isinstance(tag, str):
@@ -409,10 +413,9 @@ class XmlToolStream:
 
     def _skip(self, final: bool) -> list[StreamEvent] | None:
         """A block found not to be a call after its name went out: dropped up to its end."""
-        end = self.pending.find(TOOL_CALL_END)
+        end = self.pending.find(TOOL_CALL_END, self.pos)
         if end < 0:
-            self.pending = "" if final else self.pending[len(self.pending) - held_prefix(self.pending, TOOL_CALL_END) :]
+            self.pos = len(self.pending) - (0 if final else held_prefix(self.pending, TOOL_CALL_END, self.pos))
             return None
-        self.pending = self.pending[end + len(TOOL_CALL_END) :]
-        self.state = "text"
+        self.pos, self.state = end + len(TOOL_CALL_END), "text"
         return []
