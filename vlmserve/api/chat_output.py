@@ -6,16 +6,15 @@ With a tool_choice that forces a call, the grammar constrains the answer from it
 so there is no reasoning part to split off: the reasoning parser is not applied (vLLM lets a
 thinking model reason first and constrains only what follows `</think>`), except for calls in
 Qwen3.5's format, whose grammar lets a thinking answer reason first (tool_calling.py,
-reasons_before_forced_calls). With tool_choice auto,
-a call the model starts inside its reasoning ends the reasoning (reasoning.py): it comes back as
-a call, never as reasoning text."""
+reasons_before_forced_calls). With tool_choice auto, a call the model starts inside its reasoning
+ends the reasoning (reasoning.py): it comes back as a call, never as reasoning text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.api.reasoning import ThinkReasoningParser
+from vlmserve.api.reasoning import ThinkReasoningParser, thinking_enabled
 from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, reasons_before_forced_calls, tool_parser
 from vlmserve.api.tool_parsers import ContentDelta, HermesToolParser, StreamEvent, ToolCallDelta, new_call_id
 from vlmserve.api.xml_tool_parser import XmlToolParser
@@ -45,7 +44,7 @@ class ChatParsing:
         """ValueError (naming the field) when the server cannot parse what the request asks."""
         tool = tool_parser(tools, tool_choice, tool_call_parser, enable_auto_tool_choice)
         forced = bool(tools) and (isinstance(tool_choice, NamedToolChoice) or tool_choice == "required")
-        thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        thinking = thinking_enabled(chat_template_kwargs)
         reasoning = None
         if forced and reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking):
             reasoning = ThinkReasoningParser()  # the grammar: reasoning, `</think>`, then the calls

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from vlmserve.api.beam_search import MAX_BEAM_WIDTH
 from vlmserve.api.json_limits import JSONLimitError, check_json_limits
+from vlmserve.api.reasoning import thinking_enabled
 from vlmserve.api.tool_calling import (
     MAX_TOOLS,
     ChatTool,
@@ -568,7 +569,7 @@ class ChatCompletionRequest(_SamplingFields):
                 400, "tool_choice that forces a call cannot be combined with structured outputs", "tool_choice"
             )
         if tool_call_parser == XML_TOOL_CALL_PARSER:  # Qwen3.5's format, as its template writes calls
-            thinking = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+            thinking = thinking_enabled(self.chat_template_kwargs)
             reasoning = reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking)
             grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls, reasoning)
             return "tools", StructuredOutputsParams(grammar=grammar)

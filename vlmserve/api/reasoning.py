@@ -21,8 +21,14 @@ write after the call is dropped. A call is never reasoning text.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vlmserve.api.tool_parsers import held_prefix
+
+
+def thinking_enabled(chat_template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether the request leaves the template's thinking on (the Qwen templates' default)."""
+    return (chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
 
 @dataclass(frozen=True)
