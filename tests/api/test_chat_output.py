@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vlmserve.api.chat_output import ChatParsing
 from vlmserve.api.tool_calling import ChatTool, NamedToolChoice, forced_tool_schema, template_messages
@@ -14,7 +16,12 @@ from vlmserve.outputs import CompletionOutput
 from vlmserve.tokenizer import Tokenizer
 
 TOOLS = [
-    ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}),
+    ChatTool.model_validate(
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        }
+    ),
     ChatTool.model_validate({"type": "function", "function": {"name": "g"}}),
 ]
 ANSWER = (
@@ -172,3 +179,129 @@ def test_reasoning_tokens_are_the_tokens_of_the_reasoning(tiny25_dir: Path) -> N
     assert count(reasoning + end + rest, parsing(reasoning_parser=None)) is None  # no parser: no details
     both = [CompletionOutput(i, tokenizer.decode(reasoning + end), reasoning + end, "stop") for i in range(2)]
     assert parsing().reasoning_tokens(both, tokenizer) == 2 * len(reasoning)
+
+
+# -- tools with thinking, in both formats ---------------------------------------------------------
+
+XML_CALL = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+FORMATS = {"hermes": HERMES_CALL, "qwen3_coder": XML_CALL}
+
+
+def calls(message: dict) -> list[tuple[str, object]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_call_inside_or_right_after_the_reasoning_is_a_call(fmt: str) -> None:
+    call = FORMATS[fmt]
+    p = parsing(tool_call_parser=fmt)
+    for text, reasoning, content in (
+        ("Let me look.\n</think>\n\n" + call, "Let me look.\n", None),  # right after it
+        ("Let me look.\n" + call, "Let me look.\n", None),  # inside it, never closed
+        ("Let me look.\n" + call + "\n</think>\n\nDone.", "Let me look.\n", "\n\n\nDone."),  # closed after it
+        (call, "", None),  # at once
+    ):
+        message, finish = p.message(text, "stop")
+        assert (message["reasoning_content"], message["content"], finish) == (reasoning, content, "tool_calls"), text
+        assert calls(message) == [("f", {"x": 1})]
+        assert "<tool_call>" not in message["reasoning_content"]
+    # Thinking turned off (the template closed an empty reasoning): the answer is content and calls.
+    off = parsing(tool_call_parser=fmt, chat_template_kwargs={"enable_thinking": False})
+    message, _ = off.message("Sure.\n\n" + call, "stop")
+    assert (message["reasoning_content"], message["content"], calls(message)) == (None, "Sure.\n\n", [("f", {"x": 1})])
+    # Cut short while thinking: all reasoning, no call.
+    message, finish = p.message("Let me think about <tool_", "length")
+    assert (message["reasoning_content"], message["content"], finish) == ("Let me think about <tool_", None, "length")
+
+
+def whole_and_streamed(p: ChatParsing, text: str) -> tuple[dict, list[dict]]:
+    message, _ = p.message(text, "stop")
+    want = {
+        "content": message["content"] or "",
+        "reasoning_content": message.get("reasoning_content") or "",
+        "tool_calls": {
+            i: {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for i, c in enumerate(message.get("tool_calls") or [])
+        },
+    }
+    return want, [streamed_cut(p, text, cut) for cut in range(len(text) + 1)]
+
+
+def streamed_cut(p: ChatParsing, text: str, cut: int) -> dict:
+    """The text streamed in two deltas, cut at `cut`, put together (whitespace the stream sent
+    as content before a call, which the whole message drops, left out)."""
+    stream = p.stream()
+    merged: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    for piece, final in ((text[:cut], False), (text[cut:], True)):
+        delta = stream.feed(piece, final=final)
+        merged["content"] += delta.get("content", "")
+        merged["reasoning_content"] += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", []):
+            entry = merged["tool_calls"].setdefault(call["index"], {"name": None, "arguments": ""})
+            entry["name"] = call["function"].get("name", entry["name"])
+            entry["arguments"] += call["function"]["arguments"]
+    if merged["tool_calls"] and not merged["content"].strip():
+        merged["content"] = ""
+    return merged
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_reasoning_and_calls_streamed_cut_anywhere_give_the_whole_message(fmt: str, thinking: bool) -> None:
+    call = FORMATS[fmt]
+    p = parsing(tool_call_parser=fmt, chat_template_kwargs={"enable_thinking": thinking})
+    for text in (
+        "Hmm, <tool I see.\n</think>\n\nSure. " + call + "\n" + call.replace("1", "2"),
+        "<think>\nLet me look.\n" + call + "</think>\n\n",
+        "Let me look." + call + " after",
+    ):
+        want, got = whole_and_streamed(p, text)
+        for cut, one in enumerate(got):
+            assert one == want, (text, cut)
+        assert want["tool_calls"], text
+
+
+pieces = st.sampled_from(["<think>", "</think>", "</thi", "<tool_call>", "<tool", "\n", "a", " ", "é"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(pieces, max_size=8).map("".join),
+    st.sampled_from(sorted(FORMATS)),
+    st.integers(0, 3),
+    st.booleans(),
+    st.data(),
+)
+def test_tools_with_thinking_stream_gives_the_whole_message_for_any_split(
+    lead: str, fmt: str, n_calls: int, thinking: bool, data: st.DataObject
+) -> None:
+    """Reasoning text with tags and their pieces, then calls (some inside the reasoning), cut
+    anywhere: the stream gives what the whole answer gives."""
+    call = FORMATS[fmt]
+    text = lead + "".join(data.draw(st.sampled_from(["", "\n", "</think>\n\n", " x "])) + call for _ in range(n_calls))
+    text += data.draw(st.sampled_from(["", "</think>", " done"]))
+    p = parsing(tool_call_parser=fmt, chat_template_kwargs={"enable_thinking": thinking})
+    want, got = whole_and_streamed(p, text)
+    for cut, one in enumerate(got):
+        assert one == want, (text, cut)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_forced_call_follows_the_reasoning_in_qwen3_5_s_format_only(fmt: str) -> None:
+    """On a qwen3_coder server a thinking answer reasons before its forced call (its grammar
+    lets it, as vLLM); the JSON forced on other servers applies from the first token."""
+    named = NamedToolChoice.model_validate({"function": {"name": "f"}})
+    thinking = {
+        "hermes": {"required": '[{"name": "f", "parameters": {"x": 1}}]', "named": '{"x": 1}'},
+        "qwen3_coder": {"required": "Hmm.\n</think>\n\n" + XML_CALL, "named": "Hmm.\n</think>\n\n" + XML_CALL},
+    }[fmt]
+    for choice, key in (("required", "required"), (named, "named")):
+        message, _ = parsing(choice, tool_call_parser=fmt).message(thinking[key], "stop")
+        assert calls(message) == [("f", {"x": 1})] and message["content"] == ""  # forced: "", as vLLM
+        assert message.get("reasoning_content", "absent") == ("Hmm.\n" if fmt == "qwen3_coder" else "absent")
+    # Thinking off: the template closed the reasoning; the call comes first.
+    off = parsing("required", tool_call_parser=fmt, chat_template_kwargs={"enable_thinking": False})
+    answer = {"hermes": thinking["required"], "qwen3_coder": XML_CALL}[fmt]
+    message, _ = off.message(answer, "stop")
+    assert calls(message) == [("f", {"x": 1})] and not message.get("reasoning_content")

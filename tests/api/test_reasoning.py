@@ -35,15 +35,39 @@ def replay(parser: ThinkReasoningParser, text: str, cuts: list[int]) -> tuple[st
     return reasoning + r, content + c
 
 
-pieces = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", " ", "\n", "a", "é", "</thin"])
+pieces = st.sampled_from(
+    ["<think>", "</think>", "<", "</", "think", ">", " ", "\n", "a", "é", "</thin", "<tool_call>", "<tool_c"]
+)
 
 
 @settings(max_examples=250, deadline=None)
-@given(st.lists(pieces, max_size=14).map("".join), st.lists(st.integers(0, 1000), max_size=10), st.booleans())
-def test_stream_gives_the_whole_answer_for_any_split(text: str, cuts: list[int], thinking: bool) -> None:
-    parser = ThinkReasoningParser(thinking_enabled=thinking)
+@given(
+    st.lists(pieces, max_size=14).map("".join),
+    st.lists(st.integers(0, 1000), max_size=10),
+    st.booleans(),
+    st.sampled_from([None, "<tool_call>"]),
+)
+def test_stream_gives_the_whole_answer_for_any_split(
+    text: str, cuts: list[int], thinking: bool, call_start: str | None
+) -> None:
+    parser = ThinkReasoningParser(thinking_enabled=thinking, call_start=call_start)
     whole = parser.parse(text)
     assert replay(parser, text, cuts) == (whole.reasoning or "", whole.content or "")
+
+
+def test_a_call_begun_inside_the_reasoning_ends_it() -> None:
+    parser = ThinkReasoningParser(call_start="<tool_call>")
+    call = "<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    assert parser.parse("Look.\n" + call) == ReasoningSplit("Look.\n", call)
+    # The model's </think> after the call is dropped; what follows is content.
+    assert parser.parse("Look." + call + "\n</think>\n\nok") == ReasoningSplit("Look.", call + "\n\n\nok")
+    # After </think>, as before; without tool parsing, a call is reasoning text.
+    assert parser.parse("Look.</think>" + call) == ReasoningSplit("Look.", call)
+    assert ThinkReasoningParser().parse("Look." + call) == ReasoningSplit("Look." + call, None)
+    stream = parser.stream()
+    assert stream.feed("Look.<tool_") == ("Look.", "")
+    assert stream.feed("call>x</thi") == ("", "<tool_call>x")
+    assert stream.feed("nk>y") == ("", "y")
 
 
 def test_stream_holds_back_only_a_possible_tag() -> None:

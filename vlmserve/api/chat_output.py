@@ -4,7 +4,10 @@ split off first, then the tool calls are read from the content.
 
 With a tool_choice that forces a call, the grammar constrains the answer from its first token,
 so there is no reasoning part to split off: the reasoning parser is not applied (vLLM lets a
-thinking model reason first and constrains only what follows `</think>`)."""
+thinking model reason first and constrains only what follows `</think>`), except for calls in
+Qwen3.5's format, whose grammar lets a thinking answer reason first (tool_calling.py,
+reasons_before_forced_calls). With tool_choice auto, a call the model starts inside its reasoning
+ends the reasoning (reasoning.py): it comes back as a call, never as reasoning text."""
 
 from __future__ import annotations
 
@@ -12,16 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlmserve.api.reasoning import ThinkReasoningParser
-from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, tool_parser
+from vlmserve.api.reasoning import ThinkReasoningParser, thinking_enabled
+from vlmserve.api.tool_calling import NamedToolChoice, ToolParser, reasons_before_forced_calls, tool_parser
 from vlmserve.api.tool_parsers import (
     ContentDelta,
-    NamedToolParser,
-    RequiredToolParser,
+    HermesToolParser,
     StreamEvent,
     ToolCallDelta,
     new_call_id,
 )
+from vlmserve.api.xml_tool_parser import XmlToolParser
 from vlmserve.outputs import CompletionOutput
 from vlmserve.tokenizer import AnyTokenizer
 
@@ -34,6 +37,9 @@ class ChatParsing:
     tools: ToolParser | None
     include_reasoning: bool = True
     parallel_tool_calls: bool = True
+    # The answer is a forced tool call (tool_choice "required" or a named function), in any format.
+    forced: bool = False
+    named: bool = False  # a named function
 
     @classmethod
     def for_request(
@@ -49,17 +55,16 @@ class ChatParsing:
     ) -> ChatParsing:
         """ValueError (naming the field) when the server cannot parse what the request asks."""
         tool = tool_parser(tools, tool_choice, tool_call_parser, enable_auto_tool_choice)
-        forced = isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"
+        named = bool(tools) and isinstance(tool_choice, NamedToolChoice)
+        forced = named or (bool(tools) and tool_choice == "required")
+        thinking = thinking_enabled(chat_template_kwargs)
         reasoning = None
-        if reasoning_parser is not None and not (tools and forced):
-            thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-            reasoning = ThinkReasoningParser(thinking_enabled=thinking)
-        return cls(reasoning, tool, include_reasoning, parallel_tool_calls)
-
-    @property
-    def forced(self) -> bool:
-        """The answer is a forced tool call (tool_choice "required" or a named function)."""
-        return isinstance(self.tools, RequiredToolParser | NamedToolParser)
+        if forced and reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking):
+            reasoning = ThinkReasoningParser()  # the grammar: reasoning, `</think>`, then the calls
+        elif reasoning_parser is not None and not forced:
+            call_start = tool.START if isinstance(tool, HermesToolParser | XmlToolParser) else None
+            reasoning = ThinkReasoningParser(thinking_enabled=thinking, call_start=call_start)
+        return cls(reasoning, tool, include_reasoning, parallel_tool_calls, forced, named)
 
     def reasoning_tokens(self, choices: Sequence[CompletionOutput], tokenizer: AnyTokenizer) -> int | None:
         """How many of the choices' tokens were reasoning (None: no reasoning parser read them):
@@ -100,7 +105,7 @@ class ChatParsing:
                     {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in calls
                 ]
-                finish_reason = _finish_with_calls(self.tools, finish_reason)
+                finish_reason = _finish_with_calls(self.named, finish_reason)
                 if self.forced:  # vLLM's: a forced call's content is "", not null
                     content = content or ""
         message["content"] = content
@@ -110,10 +115,10 @@ class ChatParsing:
         return ChoiceStream(self)
 
 
-def _finish_with_calls(tools: ToolParser, finish_reason: str | None) -> str | None:
+def _finish_with_calls(named: bool, finish_reason: str | None) -> str | None:
     """A choice's finish_reason when it called tools: "tool_calls" where it stopped, except for a
     named function ("stop", as OpenAI's API and vLLM answer)."""
-    if finish_reason == "stop" and not isinstance(tools, NamedToolParser):
+    if finish_reason == "stop" and not named:
         return "tool_calls"
     return finish_reason
 
@@ -135,7 +140,7 @@ class ChoiceStream:
         """The choice's finish_reason, as the whole message gives it."""
         if not self.called or self.parsing.tools is None:
             return finish_reason
-        return _finish_with_calls(self.parsing.tools, finish_reason)
+        return _finish_with_calls(self.parsing.named, finish_reason)
 
     def feed(self, text: str, final: bool) -> dict[str, Any]:
         reasoning, content = "", text

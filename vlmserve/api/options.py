@@ -23,7 +23,12 @@ from vlmserve.arg_types import (
     positive_int,
 )
 from vlmserve.errors import UsageError, UserError
-from vlmserve.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+from vlmserve.parser_names import (
+    JSON_TOOL_CALL_PARSER,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    XML_TOOL_CALL_PARSER,
+)
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
@@ -95,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=1024,
         metavar="TOKENS",
-        help="a model with recurrent state (Qwen3.5): save its state for prefix caching every so many prompt "
+        help="a model with recurrent state (linear attention): save its state for prefix caching every so many prompt "
         "tokens (rounded down to whole KV blocks; 0: not by interval), besides the end of the prompt's first "
         "and last message and its last full block",
     )
@@ -354,7 +359,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=None,
-        help="how answers are read for tool calls with tool_choice auto: hermes (<tool_call> blocks)",
+        help=(
+            f"how answers are read for tool calls (vLLM's names): {JSON_TOOL_CALL_PARSER} (JSON in <tool_call> "
+            f"blocks) or {XML_TOOL_CALL_PARSER} (<function=...><parameter=...> blocks in <tool_call>, which forced "
+            "calls are written in too); the checkpoint's chat template says which"
+        ),
     )
     p.add_argument(
         "--enable-auto-tool-choice",

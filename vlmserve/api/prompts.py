@@ -85,6 +85,8 @@ class PromptBuilder:
                 logprobs,
                 self.ctx.max_n,
                 max_grammar_bytes=self.ctx.max_grammar_bytes,
+                tool_call_parser=self.ctx.tool_call_parser,
+                reasoning_parser=self.ctx.reasoning_parser,
             )
         )
         try:

@@ -11,17 +11,21 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from vlmserve.api.beam_search import MAX_BEAM_WIDTH
 from vlmserve.api.json_limits import JSONLimitError, check_json_limits
+from vlmserve.api.reasoning import thinking_enabled
 from vlmserve.api.tool_calling import (
     MAX_TOOLS,
     ChatTool,
     ToolChoice,
     check_tool_choice,
     effective_tool_choice,
+    forced_tool_grammar,
     forced_tool_schema,
+    reasons_before_forced_calls,
 )
 from vlmserve.errors import APIError
 from vlmserve.multimodal.image import DETAILS
 from vlmserve.multimodal.video import INT_OPTIONS, MAX_OPTION, NUMBER_OPTIONS, SAMPLE_FPS_RANGE, TIME_OPTIONS
+from vlmserve.parser_names import XML_TOOL_CALL_PARSER
 from vlmserve.processor.chat import MAX_ROLE_LENGTH, MAX_UUID_LENGTH, SIZING_KEYS
 from vlmserve.sampling_params import (
     FLOAT32_TINY,
@@ -402,9 +406,11 @@ class _SamplingFields(BaseModel):
             out[int(key)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return out
 
-    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(
+        self, tool_call_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> tuple[str, StructuredOutputsParams] | None:
         """The one grammar the request asks for and the field it used (400 naming the field when
-        it is malformed, or when two fields ask)."""
+        it is malformed, or when two fields ask). The parsers: see ChatCompletionRequest."""
         asked: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -450,12 +456,16 @@ class _SamplingFields(BaseModel):
         max_n: int,
         prompt_logprobs: int | None = None,
         max_grammar_bytes: int | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> SamplingParams:
-        """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes)."""
+        """`max_grammar_bytes`: the most bytes a structured-output spec may have (--max-grammar-bytes);
+        `tool_call_parser`, `reasoning_parser`: the server's --tool-call-parser and --reasoning-parser
+        (the format a forced call is written in, and whether reasoning comes first)."""
         if self.n > max_n:
             raise APIError(400, f"n must be at most {max_n}", "n")
         logit_bias = self._logit_bias()
-        asked = self._structured_outputs()
+        asked = self._structured_outputs(tool_call_parser, reasoning_parser)
         structured_outputs = None if asked is None else asked[1]
         if asked is not None and max_grammar_bytes is not None:
             name, spec = asked
@@ -559,7 +569,9 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs | (self.chat_template_kwargs or {})
 
-    def _structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+    def _structured_outputs(
+        self, tool_call_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> tuple[str, StructuredOutputsParams] | None:
         own = super()._structured_outputs()
         forced = forced_tool_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
         if forced is None:
@@ -568,6 +580,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(
                 400, "tool_choice that forces a call cannot be combined with structured outputs", "tool_choice"
             )
+        if tool_call_parser == XML_TOOL_CALL_PARSER:  # Qwen3.5's format, as its template writes calls
+            thinking = thinking_enabled(self.chat_template_kwargs)
+            reasoning = reasons_before_forced_calls(tool_call_parser, reasoning_parser, thinking)
+            grammar = forced_tool_grammar(self.tools, self.effective_tool_choice, self.parallel_tool_calls, reasoning)
+            return "tools", StructuredOutputsParams(grammar=grammar)
         # No free whitespace: the call is written as json.dumps writes it (", " and ": "), and a
         # model cannot run on in whitespace inside the call (vLLM allows any).
         return "tools", StructuredOutputsParams(json=forced, disable_any_whitespace=True)

@@ -50,6 +50,7 @@ from vlmserve.engine.config import EngineConfig
 from vlmserve.errors import UserError
 from vlmserve.ipc import shm
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.parser_names import TOOL_CALL_PARSERS
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 from vlmserve.tokenizer import read_chat_template
 from vlmserve.version import package_version
@@ -71,7 +72,7 @@ def _what_to_ask(model: str) -> dict[str, Any]:
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
-        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        raise UserError(f"--enable-auto-tool-choice needs --tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})")
     chat_template = None
     if getattr(args, "chat_template", None) is not None:
         try:

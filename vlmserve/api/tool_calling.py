@@ -6,11 +6,14 @@ tool_choice:
 - "none" (the default without tools): the tools are still rendered into the prompt (as vLLM does)
   but the answer is never parsed for calls.
 - "auto" (the default with tools): the model decides; its answer is read by the server's
-  `--tool-call-parser` (hermes), which needs `--enable-auto-tool-choice` (as vLLM).
+  `--tool-call-parser` (hermes: JSON in `<tool_call>` blocks, the Qwen2.5 / Qwen3-VL templates';
+  qwen3_coder: Qwen3.5's XML blocks), which needs `--enable-auto-tool-choice` (as vLLM).
 - "required": the answer is forced to vLLM's JSON array of {"name", "parameters"}, one item per
-  call (at least one; at most one with parallel_tool_calls false).
+  call (at least one; at most one with parallel_tool_calls false); on a qwen3_coder server, to
+  that many calls in Qwen3.5's format (xml_tool_grammar.py), the format the model knows, after
+  the model's reasoning when the reasoning parser reads a thinking answer (as vLLM).
 - {"type": "function", "function": {"name": ...}}: the answer is forced to that function's
-  parameters schema.
+  parameters schema; on a qwen3_coder server, to one call of it in Qwen3.5's format.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from pydantic import BaseModel, Field, StrictBool
 
 from vlmserve.api.json_limits import JSONLimitError, loads_bounded
 from vlmserve.api.tool_parsers import HermesToolParser, NamedToolParser, RequiredToolParser
+from vlmserve.api.xml_tool_grammar import forced_call_grammar
+from vlmserve.api.xml_tool_parser import XmlToolParser
+from vlmserve.parser_names import XML_TOOL_CALL_PARSER
 
 MAX_TOOLS = 128
 
@@ -129,7 +135,32 @@ def forced_tool_schema(
     return {"type": "array", "minItems": 1, "items": item} | ({} if parallel_tool_calls else {"maxItems": 1})
 
 
-ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser
+def reasons_before_forced_calls(tool_call_parser: str | None, reasoning_parser: str | None, thinking: bool) -> bool:
+    """Whether a forced call comes after the model's reasoning: on a qwen3_coder server whose
+    reasoning parser reads a thinking answer (vLLM constrains only what follows `</think>`; the
+    JSON forced on other servers applies from the first token)."""
+    return tool_call_parser == XML_TOOL_CALL_PARSER and reasoning_parser is not None and thinking
+
+
+def forced_tool_grammar(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice, parallel_tool_calls: bool, reasoning: bool = False
+) -> str | None:
+    """The EBNF grammar the answer is forced to on a qwen3_coder server, for "required" and a
+    named function: calls in Qwen3.5's format (after the reasoning, with `reasoning`)."""
+    if not tools or not (isinstance(tool_choice, NamedToolChoice) or tool_choice == "required"):
+        return None
+    offered = [(t.function.name, _parameters(t)) for t in tools]
+    if isinstance(tool_choice, NamedToolChoice):
+        named = [f for f in offered if f[0] == tool_choice.function.name]
+        return forced_call_grammar(named, parallel=False, reasoning=reasoning)
+    return forced_call_grammar(offered, parallel=parallel_tool_calls, reasoning=reasoning)
+
+
+def _schemas(tools: list[ChatTool]) -> dict[str, Any]:
+    return {t.function.name: _parameters(t) for t in tools}
+
+
+ToolParser = HermesToolParser | RequiredToolParser | NamedToolParser | XmlToolParser
 
 
 def tool_parser(
@@ -139,16 +170,17 @@ def tool_parser(
     ValueError when "auto" is asked of a server not started for it."""
     if not tools or tool_choice == "none":
         return None
+    xml = auto_parser == XML_TOOL_CALL_PARSER
     if isinstance(tool_choice, NamedToolChoice):
-        return NamedToolParser(tool_choice.function.name)
+        return XmlToolParser(_schemas(tools)) if xml else NamedToolParser(tool_choice.function.name)
     if tool_choice == "required":
-        return RequiredToolParser()
+        return XmlToolParser(_schemas(tools)) if xml else RequiredToolParser()
     if not auto_enabled or auto_parser is None:
         raise ValueError(
             'tool_choice: "auto" tool choice requires the server to be started with --enable-auto-tool-choice '
             "and --tool-call-parser"
         )
-    return HermesToolParser()
+    return XmlToolParser(_schemas(tools)) if xml else HermesToolParser()
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -6,8 +6,10 @@ in_proj_b / in_proj_a / conv1d / dt_bias / A_log / norm / out_proj, self_attn.q_
 query and gate per head). The MoE preset (`make-tiny --arch qwen3_5_moe`) writes Qwen3.5-MoE:
 every layer's MLP as mlp.gate (the router), experts one by one (mlp.experts.<e>.gate_proj /
 up_proj / down_proj, as published and as transformers saves them), mlp.shared_expert.* and
-mlp.shared_expert_gate. Tokenizer, chat template and processor configs are Qwen3-VL's (the
-published Qwen3.5 vocabulary is larger; a tiny checkpoint names its special ids in config.json)."""
+mlp.shared_expert_gate. The chat template is Qwen3.5's published one (chat_template.jinja, as the
+published checkpoints ship it: thinking, tools in Qwen3.5's XML format); tokenizer and processor
+configs are Qwen3-VL's (the published Qwen3.5 vocabulary is larger; a tiny checkpoint names its
+special ids in config.json)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from vlmserve.families.common.tiny import (
     swiglu_weights,
     tiny_info,
 )
+from vlmserve.families.qwen3_5.chat_template import QWEN3_5_CHAT_TEMPLATE
 from vlmserve.families.qwen3_vl.tiny import text_config_json, vision_config_json, vision_weights, write_qwen3_vl_files
 from vlmserve.model_files import VOCAB_SIZE
 
@@ -195,5 +198,10 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
 def write_tiny_qwen3_5(out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1) -> Path:
     """Write the checkpoint into `out_dir` (created; written atomically)."""
     return write_qwen3_vl_files(
-        out_dir, config_json(spec), random_weights(spec, seed), tiny_info(spec, seed), num_shards
+        out_dir,
+        config_json(spec),
+        random_weights(spec, seed),
+        tiny_info(spec, seed),
+        num_shards,
+        chat_template={"chat_template.jinja": QWEN3_5_CHAT_TEMPLATE},
     )

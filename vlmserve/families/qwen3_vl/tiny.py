@@ -395,11 +395,12 @@ def write_qwen3_vl_files(
     weights: dict[str, torch.Tensor],
     info: dict[str, object],
     num_shards: int = 1,
+    chat_template: dict[str, object] | None = None,
 ) -> Path:
     """A checkpoint of Qwen3-VL's files (tokenizer, chat template, processor configs) around the
     given config.json, weights and vlmserve_tiny.json, written atomically into `out_dir`;
-    Qwen3.5's tiny writer uses it too."""
-    files = {
+    Qwen3.5's tiny writer uses it too, with its own `chat_template` (file name -> content)."""
+    files: dict[str, object] = {
         "config.json": config,
         "generation_config.json": {
             "bos_token_id": 151643,
@@ -414,9 +415,9 @@ def write_qwen3_vl_files(
         "preprocessor_config.json": _preprocessor("image_processor_type", 65536, 16777216),
         "video_preprocessor_config.json": _preprocessor("video_processor_type", 4096, 25165824),
         "tokenizer_config.json": _tokenizer_config(),
-        "chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE},
         "vlmserve_tiny.json": info,
     }
+    files |= chat_template or {"chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE}}
 
     def write_rest(folder: Path) -> None:
         added = [(FIRST_ADDED_ID + k, tok, special) for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)]
