@@ -195,6 +195,21 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete(server: Server) -> No
     assert last["response"]["output"] == [done["item"]]
 
 
+def test_a_streamed_format_that_does_not_compile_is_a_400_not_an_error_event(server: Server) -> None:
+    """The engine refuses a grammar that does not compile; a stream waits for it to take the
+    request before it starts, so the client gets the same 400 as without stream."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}
+    body = {"model": "tiny", "input": "Hello", "max_output_tokens": 3}
+    body["text"] = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+    pid = server.engine_pid()
+    for stream in (False, True):
+        response = server.post("/v1/responses", body | {"stream": stream})
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        assert "JSON schema could not be compiled" in response.json()["error"]["message"]
+    assert server.health() == 200 and server.engine_pid() == pid
+
+
 def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, server: Server) -> None:
     """The second turn's prompt is the whole conversation rendered at once: the chat endpoint's
     prompt for the same messages, and so its greedy answer."""

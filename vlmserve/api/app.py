@@ -409,7 +409,8 @@ def build_app(
         run = responses_serving.prepare(body)
         prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
         if body.stream:
-            return StreamingResponse(responses_serving.stream(run, prompt, params), media_type="text/event-stream")
+            stream = await _until_disconnected(request, responses_serving.stream(run, prompt, params))
+            return StreamingResponse(stream, media_type="text/event-stream")
         return JSONResponse(await _until_disconnected(request, responses_serving.create(run, prompt, params)))
 
     @app.get("/v1/responses/{response_id}")

@@ -29,7 +29,7 @@ from vlmserve.api.responses_output import Event, OutputWriter, response_usage, w
 from vlmserve.api.responses_protocol import ResponsesRequest, renamed
 from vlmserve.api.serving import EngineServing, ServingContext
 from vlmserve.api.serving_chat import ChatServing
-from vlmserve.api.streaming import SentChoices
+from vlmserve.api.streaming import SentChoices, started
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -85,11 +85,16 @@ class ResponsesServing(EngineServing):
         self._keep(run, response)
         return response
 
-    def stream(self, run: ResponseRun, prompt: ProcessedPrompt, params: SamplingParams) -> AsyncIterator[str]:
-        return _sse(self._events(run, prompt, params))
+    async def stream(self, run: ResponseRun, prompt: ProcessedPrompt, params: SamplingParams) -> AsyncIterator[str]:
+        """The response's events; with structured outputs (text.format, a forced call), once the
+        engine has taken the request (a grammar that does not compile is a 400, not an error event)."""
+        outputs = self._outputs(run.response_id, prompt, params)
+        if params.structured_outputs is not None:
+            outputs = await started(outputs)
+        return _sse(self._events(run, prompt, outputs))
 
     async def _events(
-        self, run: ResponseRun, prompt: ProcessedPrompt, params: SamplingParams
+        self, run: ResponseRun, prompt: ProcessedPrompt, outputs: AsyncGenerator[RequestOutput, None]
     ) -> AsyncGenerator[Event, None]:
         started = self._response(run, prompt, "in_progress", [], None)
         yield {"type": "response.created", "response": started}
@@ -98,13 +103,14 @@ class ResponsesServing(EngineServing):
         parser = run.parsing.stream()
         sent = SentChoices()
         final: RequestOutput | None = None
-        async for output in self._outputs(run.response_id, prompt, params):
-            final = output
-            choice = output.outputs[0]
-            if sent.has_news(0, choice):
-                delta = sent.take(0, choice)
-                for event in writer.feed(parser.feed(delta.text, final=choice.finish_reason is not None)):
-                    yield event
+        async with aclosing(outputs):  # the client gone: the engine request is aborted at once
+            async for output in outputs:
+                final = output
+                choice = output.outputs[0]
+                if sent.has_news(0, choice):
+                    delta = sent.take(0, choice)
+                    for event in writer.feed(parser.feed(delta.text, final=choice.finish_reason is not None)):
+                        yield event
         assert final is not None
         status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
         for event in writer.close(status):
