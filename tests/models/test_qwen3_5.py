@@ -23,6 +23,7 @@ from tests.engine.test_preemption_multimodal import (
 )
 from tests.model_harness import Harness
 from tests.reference import hf_mm_prompt_ids
+from vlmserve.bench.shared_preamble import shop_system_prompt, shop_tools
 from vlmserve.engine.config import EngineConfig
 from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.families.qwen3_5 import deltanet
@@ -287,25 +288,9 @@ def test_cached_kv_without_the_state_at_its_end_is_not_reused(tiny35_dir: Path, 
 
 
 # A shop assistant's system prompt (~750 tokens) and four tools (~350 more, rendered into the
-# system message by the chat template): the preamble an agent's requests share.
-SHOP_SYSTEM = "You are a careful assistant for a hardware shop. " + " ".join(
-    f"Rule {i}: when asked about item {i}, say its shelf and price." for i in range(60)
-)
-SHOP_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": f"lookup_{kind}",
-            "description": f"Look up an item's {kind} in the catalogue.",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["query"],
-            },
-        },
-    }
-    for kind in ("price", "shelf", "stock", "supplier")
-]
+# system message by the chat template): the preamble an agent's requests share (the benchmark's).
+SHOP_SYSTEM = shop_system_prompt()
+SHOP_TOOLS = shop_tools()
 
 
 def test_requests_sharing_a_system_prompt_and_tools_reuse_its_state_whatever_follows(tiny35_dir: Path) -> None:

@@ -77,6 +77,20 @@ def held_prefix(text: str, tag: str, start: int = 0) -> int:
     return 0
 
 
+def content_beside_calls(text: str, called: bool, held_space: list[str]) -> list[StreamEvent]:
+    """Content text as a tool-call stream sends it: once a call was read, whitespace is held in
+    `held_space` (the whole message drops it after the last call) until text follows it."""
+    if not called:
+        return [ContentDelta(text)] if text else []
+    body = text.rstrip()
+    if not body:
+        held_space.append(text)
+        return []
+    held = "".join(held_space)
+    held_space[:] = [text[len(body) :]]
+    return [ContentDelta(held + body)]
+
+
 def _call_from_object(text: str, name_key: str, args_key: str, max_depth: int = MAX_JSON_DEPTH) -> ToolCall:
     """A complete JSON object {name_key: str, args_key: value} (nothing else around it but
     whitespace) as a call; ValueError when it is not one, or is past the bounds of JSON
@@ -233,15 +247,7 @@ class HermesToolStream:
         return events
 
     def _content(self, text: str) -> list[StreamEvent]:
-        if not self.calls:
-            return [ContentDelta(text)] if text else []
-        body = text.rstrip()
-        if not body:
-            self.held_space.append(text)
-            return []
-        held = "".join(self.held_space)
-        self.held_space = [text[len(body) :]]
-        return [ContentDelta(held + body)]
+        return content_beside_calls(text, bool(self.calls), self.held_space)
 
     def _advance(self, final: bool) -> list[StreamEvent]:
         start_tag, end_tag = self.parser.START, self.parser.END

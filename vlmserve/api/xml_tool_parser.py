@@ -38,7 +38,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from vlmserve.api.json_limits import MAX_JSON_DEPTH, JSONLimitError, loads_bounded
-from vlmserve.api.tool_parsers import ContentDelta, ParsedOutput, StreamEvent, ToolCall, ToolCallDelta, held_prefix
+from vlmserve.api.tool_parsers import (
+    ContentDelta,
+    ParsedOutput,
+    StreamEvent,
+    ToolCall,
+    ToolCallDelta,
+    content_beside_calls,
+    held_prefix,
+)
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -223,15 +231,7 @@ class XmlToolStream:
     # -- content -----------------------------------------------------------------------------
 
     def _content(self, text: str) -> list[StreamEvent]:
-        if not self.calls:
-            return [ContentDelta(text)] if text else []
-        body = text.rstrip()
-        if not body:
-            self.held_space.append(text)
-            return []
-        held = "".join(self.held_space)
-        self.held_space = [text[len(body) :]]
-        return [ContentDelta(held + body)]
+        return content_beside_calls(text, bool(self.calls), self.held_space)
 
     def _fail(self) -> list[StreamEvent]:
         """The open block is not a call: no later block is read (the whole answer has no calls; a

@@ -19,7 +19,15 @@ from vlmserve.entrypoints.llm import LLM
 from vlmserve.sampling_params import SamplingParams
 
 
-def tools() -> list[dict]:
+def shop_system_prompt(rules: int = 60) -> str:
+    """A shop assistant's system prompt of `rules` rules (about 12 tokens each)."""
+    return "You are a careful assistant for a hardware shop. " + " ".join(
+        f"Rule {i}: when asked about item {i}, say its shelf and price." for i in range(rules)
+    )
+
+
+def shop_tools() -> list[dict]:
+    """Four catalogue tools (about 350 tokens as Qwen's templates render them)."""
     return [
         {
             "type": "function",
@@ -38,9 +46,7 @@ def tools() -> list[dict]:
 
 
 def run(model: str, requests: int, rules: int) -> None:
-    system = "You are a careful assistant for a hardware shop. " + " ".join(
-        f"Rule {i}: when asked about item {i}, say its shelf and price." for i in range(rules)
-    )
+    system = shop_system_prompt(rules)
     chats = [
         [{"role": "system", "content": system}, {"role": "user", "content": f"Where is item {i}, what does it cost?"}]
         for i in range(requests)
@@ -53,7 +59,7 @@ def run(model: str, requests: int, rules: int) -> None:
         times, cached, tokens[caching] = [], [], []
         for chat in chats:
             start = time.perf_counter()
-            (out,) = llm.chat(chat, greedy, chat_template_kwargs={"tools": tools()})
+            (out,) = llm.chat(chat, greedy, chat_template_kwargs={"tools": shop_tools()})
             times.append(time.perf_counter() - start)
             cached.append(out.num_cached_tokens)
             tokens[caching].append(out.outputs[0].token_ids)
