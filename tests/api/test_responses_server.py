@@ -215,7 +215,12 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     prompt for the same messages, and so its greedy answer."""
     first = client.responses.create(model="tiny", input="Hello there", max_output_tokens=4, temperature=0)
     second = client.responses.create(
-        model="tiny", previous_response_id=first.id, input="And then?", max_output_tokens=4, temperature=0
+        model="tiny",
+        previous_response_id=first.id,
+        input="And then?",
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True},
     )
     messages = [
         {"role": "user", "content": "Hello there"},
@@ -228,6 +233,8 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     tokenized = server.post("/tokenize", {"messages": messages}).json()
     assert tokenized["tokens"] == chat["prompt_token_ids"]
     assert second.usage is not None and second.usage.input_tokens == tokenized["count"]
+    assert (second.model_extra or {})["prompt_token_ids"] == tokenized["tokens"]  # token for token
+    assert (second.model_extra or {})["output_token_ids"] == chat["choices"][0]["token_ids"]
     assert second.output_text == chat["choices"][0]["message"]["content"]
     assert second.previous_response_id == first.id
     # Kept (store defaults to true): GET gives it back as it was sent.

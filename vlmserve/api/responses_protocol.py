@@ -46,6 +46,7 @@ PASSED_TO_CHAT = (
     "include_stop_str_in_output",
     "allowed_token_ids",
     "request_id",
+    "return_token_ids",
     "chat_template_kwargs",
     "mm_processor_kwargs",
     "media_io_kwargs",

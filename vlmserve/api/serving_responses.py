@@ -158,7 +158,15 @@ class ResponsesServing(EngineServing):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "usage": None if final is None else response_usage(prompt, final, self._reasoning_tokens(output, final)),
             "vlmserve": extension([prompt], self.grounding_convention),
-        }
+        } | self._token_ids(run, prompt, final)
+
+    @staticmethod
+    def _token_ids(run: ResponseRun, prompt: ProcessedPrompt, final: RequestOutput | None) -> dict[str, Any]:
+        """vLLM's return_token_ids extension (as on chat): the prompt's ids, and the answer's once it is done."""
+        if not run.chat.return_token_ids:
+            return {}
+        output = None if final is None else list(final.outputs[0].token_ids)
+        return {"prompt_token_ids": list(prompt.prompt_token_ids), "output_token_ids": output}
 
     def _reasoning_tokens(self, output: list[dict[str, Any]], final: RequestOutput) -> int:
         """The answer's tokens up to and with the one that completes `</think>` (all of them if it
