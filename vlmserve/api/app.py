@@ -276,9 +276,8 @@ def build_app(
     prompt_builder = PromptBuilder(ctx)
     chat_serving = ChatServing(ctx)
     completion_serving = CompletionServing(ctx)
-    responses_serving = ResponsesServing(
-        ctx, ResponseStore(ctx.responses_store_max_entries, ctx.responses_store_max_bytes)
-    )
+    store = ResponseStore(ctx.responses_store_max_entries, ctx.responses_store_max_bytes)
+    responses_serving = ResponsesServing(ctx, store, chat_serving)
     created = int(time.time())
     app.state.client = ctx.client
     app.state.draining = False

@@ -51,10 +51,11 @@ class ResponseRun:
 
 
 class ResponsesServing(EngineServing):
-    def __init__(self, ctx: ServingContext, store: ResponseStore) -> None:
+    def __init__(self, ctx: ServingContext, store: ResponseStore, chat_serving: ChatServing) -> None:
+        """`chat_serving`: the chat endpoint's, whose parsing a response's answer gets."""
         super().__init__(ctx)
         self.store = store
-        self.chat_serving = ChatServing(ctx)
+        self.chat_serving = chat_serving
         self.defaults = ctx.frontend.default_sampling_params()
 
     def prepare(self, body: ResponsesRequest) -> ResponseRun:

@@ -25,7 +25,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     params: list[SamplingParams]  # one per child
     prompt: ProcessedPrompt
     segments: list[shm.Segment]
-    # Whom the engine shares its steps among (the HTTP request; see vlmserve.engine.scheduler).
+    # Whom the engine shares its steps among (the HTTP request, else the request itself: the engine
+    # client names it; see vlmserve.engine.scheduler).
     owner: str = ""
 
 
