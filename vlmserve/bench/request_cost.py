@@ -3,7 +3,8 @@
     python -m vlmserve.bench.request_cost MODEL [--src DIR] [--port 8321]
 
 Starts `vlmserve serve MODEL` (float32, max_model_len 4096; from the source tree `--src` if given,
-to compare with another checkout), times a plain 8-token chat request alone (median of 5), then
+to compare with another checkout), times a plain 8-token chat request (no sampling fields: the
+checkpoint's generation_config.json) alone (median of 5), then
 sends each heavy load below (one or more heavy requests at once) and, 0.5 s later, three plain
 requests one after another, and prints what the heavy ones got and how long each plain one took.
 The machine is shared: compare within one run."""
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+PLAIN = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}  # the checkpoint's sampling
 LONG_PROMPT = " ".join(["word"] * 1000)
 # name -> (the heavy request, how many of it are sent at once)
 HEAVY: dict[str, tuple[dict[str, Any], int]] = {
