@@ -26,7 +26,7 @@ def make_scheduler(
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
     out = s.schedule()
     sampled = {
-        request_id: token
+        request_id: [token]
         for request_id, n in out.num_scheduled_tokens.items()
         if s.requests[request_id].num_computed_tokens + n == s.requests[request_id].num_tokens
     }
@@ -341,7 +341,7 @@ def test_with_log_stats_outputs_carry_each_request_s_events_once_in_order() -> N
     def step() -> dict[str, list[tuple[EngineCoreEventType, float]] | None]:
         out = s.schedule()
         sampled = {
-            rid: 7
+            rid: [7]
             for rid, n in out.num_scheduled_tokens.items()
             if s.requests[rid].num_tokens == n + s.requests[rid].num_computed_tokens
         }
@@ -367,7 +367,7 @@ def test_without_log_stats_no_events_are_recorded() -> None:
     a = make_request("a", 4, max_tokens=2)
     s.add_request(a)
     out = s.schedule()
-    (output,) = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 7}))
+    (output,) = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [7]}))
     assert output.events is None and a.events == []
 
 

@@ -112,8 +112,10 @@ def test_scheduler_output_round_trips_through_msgspec() -> None:
 
 def test_model_runner_and_core_outputs_round_trip_through_msgspec() -> None:
     out = ModelRunnerOutput(
-        sampled_token_ids={"a": 151645, "b": 0},
-        logprobs={"a": TokenLogprobs(-0.25, 2, [(17, -0.1), (151645, -0.25)])},
+        sampled_token_ids={"a": [151645], "b": [0, 5]},
+        logprobs={"a": [TokenLogprobs(-0.25, 2, [(17, -0.1), (151645, -0.25)])]},
+        num_kept_tokens={"b": 0},
+        draft_token_ids={"a": [3, 4]},
         prompt_logprobs={"a": [TokenLogprobs(-3.5, 40, [(9, -0.5)]), TokenLogprobs(-0.5, 1, [(3, -0.5)])]},
     )
     back = serial.decoder(ModelRunnerOutput).decode(serial.encode(out))
@@ -124,7 +126,9 @@ def test_model_runner_and_core_outputs_round_trip_through_msgspec() -> None:
         finish_reason="stop",
         stop_reason=151645,
         num_cached_tokens=16,
-        logprobs=[out.logprobs["a"]],
+        logprobs=out.logprobs["a"],
+        num_draft_tokens=3,
+        num_accepted_tokens=2,
         prompt_logprobs=out.prompt_logprobs["a"],
     )
     assert serial.decoder(EngineCoreOutput).decode(serial.encode(core)) == core
@@ -162,7 +166,7 @@ def test_a_real_schedule_is_plain_data_and_says_only_what_changed() -> None:
     assert [n.block_ids for n in first.scheduled_new_reqs] == [[0, 1], [2, 3]]
     decoded = serial.decoder(SchedulerOutput).decode(serial.encode(first))
     assert [n.prompt_token_ids for n in decoded.scheduled_new_reqs] == [list(range(6)), list(range(100, 106))]
-    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": 1, "b": 2}))
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"a": [1], "b": [2]}))
     # Tokens 6 and 7: block 1 has room; nobody needs a new block.
     for _ in range(2):
         second = s.schedule()
@@ -171,12 +175,12 @@ def test_a_real_schedule_is_plain_data_and_says_only_what_changed() -> None:
             ("a", [], False),
             ("b", [], False),
         ]
-        s.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"a": 1, "b": 2}))
+        s.update_from_output(second, ModelRunnerOutput(sampled_token_ids={"a": [1], "b": [2]}))
     # Token 8 needs a third block each: a takes the last free one, b (the newest) is preempted.
     third = s.schedule()
     assert [(c.request_id, c.new_block_ids) for c in third.scheduled_cached_reqs] == [("a", [4])]
     assert list(third.num_scheduled_tokens) == ["a"] and s.num_preemptions == 1
-    s.update_from_output(third, ModelRunnerOutput(sampled_token_ids={"a": 1}))
+    s.update_from_output(third, ModelRunnerOutput(sampled_token_ids={"a": [1]}))
     s.finish_request("a", s.requests["a"].status.FINISHED_ABORTED)
     fourth = s.schedule()
     assert fourth.finished_req_ids == ["a"]

@@ -83,7 +83,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
         )
         or "none",
         "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
-    }
+    } | ({"speculative decoding": core.speculative.describe()} if core.speculative is not None else {})
 
 
 def log_banner(logger: logging.Logger, summary: dict[str, str], title: str, url: str | None = None) -> None:

@@ -142,6 +142,10 @@ class CacheCoordinator:
 
     # -- release ------------------------------------------------------------------------------
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """The request's KV blocks past its first num_tokens tokens, freed (its group slots stay)."""
+        self.kv.trim(request_id, num_tokens)
+
     def free(self, request_id: str) -> None:
         self.kv.free(request_id)
         for group in self.groups:

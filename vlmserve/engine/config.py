@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vlmserve.config import parse_dtype
+from vlmserve.engine.speculative import SpeculativeConfig
 from vlmserve.multimodal.media import MediaLimits
 
 
@@ -59,6 +61,10 @@ class EngineConfig:
     # it), and the CPU seconds one grammar's compile may take before its requests are refused.
     grammar_cache_bytes: int = 512 << 20
     max_grammar_compile_seconds: float = 5.0
+    # Speculative decoding, vLLM's speculative_config (engine/speculative.py): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method":
+    # "mtp", "num_speculative_tokens": k}; None: off.
+    speculative_config: dict[str, Any] | None = None
     # "auto" (triton on CUDA where installed, else torch), "torch" or "triton" (attention/__init__.py).
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs (engine/cuda_graphs.py), every step eager.
@@ -89,6 +95,7 @@ class EngineConfig:
         if not 0 < self.max_grammar_compile_seconds < float("inf"):
             raise ValueError(f"max_grammar_compile_seconds must be positive, got {self.max_grammar_compile_seconds}")
         check_parallel_layout(self.tensor_parallel_size, self.nnodes, self.node_rank)
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError naming what is wrong
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address), the same on every node")
         if self.nnodes > 1 and self.node_rank != 0:

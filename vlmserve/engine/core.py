@@ -17,6 +17,7 @@ from vlmserve.engine.memory import MemoryPlan, plan_kv_cache
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
+from vlmserve.engine.speculative import DraftBackoff, NgramIndex, SpeculativeConfig, SpeculativeStats
 from vlmserve.engine.structured_output import GrammarCompiler, StructuredOutputs
 from vlmserve.ipc.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.ipc.worker_messages import RankInfo
@@ -40,6 +41,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model.model_config.checkpoint_dtype, self.device)
         budget = config.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         self.backend = select_backend(self.device, config.attention_backend, decode_workspace_tokens=self.max_model_len)
         # Structured outputs' grammars compile on threads of their own while the other requests
@@ -63,6 +65,9 @@ class EngineCore:
             max_num_batched_tokens=budget,
             max_encoder_tokens_per_step=max(budget, largest_item),
             encoder_cache_tokens=config.encoder_cache_tokens or max(budget, largest_item),
+            draft_lookahead=self.speculative.num_speculative_tokens
+            if self.speculative is not None and self.speculative.method == "mtp"
+            else 0,
         )
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
@@ -90,6 +95,8 @@ class EngineCore:
         # for the periodic throughput lines.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Speculative decoding's drafts verified and accepted since start (all zero without it).
+        self.spec_stats = SpeculativeStats.empty(self.speculative)
 
     @property
     def runner(self) -> ModelRunner:
@@ -220,6 +227,8 @@ class EngineCore:
         if request_id in self.structured_outputs.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner)
+        if self.speculative is not None:
+            request.backoff = DraftBackoff(self.speculative.num_speculative_tokens)
         if params.structured_outputs is None:
             self.scheduler.add_request(request)
             return
@@ -262,6 +271,7 @@ class EngineCore:
         # Otherwise a step runs even with nothing scheduled: it tells the runner which requests
         # finished since the last one, so that it forgets them.
         try:
+            self._propose_drafts()
             scheduler_output = self.scheduler.schedule()
             self._count_prompt_tokens(scheduler_output)
             self._fill_grammar_masks(scheduler_output)
@@ -284,7 +294,32 @@ class EngineCore:
             [o.request_id for o in outputs if o.finish_reason is not None] + list(self.failed)
         )
         self.num_generation_tokens += sum(len(output.new_token_ids) for output in outputs)
+        self.spec_stats.add(outputs)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """N-gram drafts for every decoding request that drafts this step (engine/speculative.py),
+        up to the first its grammar does not allow and to its max_tokens; a draft head's (mtp)
+        come with the step's output instead."""
+        spec = self.speculative
+        if spec is None or spec.method != "ngram":
+            return
+        for request in self.scheduler.running:
+            if not request.is_decoding or request.backoff is None:
+                continue
+            room = request.max_tokens - len(request.output_token_ids) - 1
+            count = min(request.backoff.next_count(), room)
+            if count <= 0:
+                request.spec_token_ids = []
+                continue
+            index = request.draft_index
+            if index is None:
+                spans = [(item.offset, item.end) for item in request.mm_items]
+                index = request.draft_index = NgramIndex(request.prompt_token_ids, spans)
+            if index.length < request.num_tokens:
+                index.extend(request.token_ids(index.length, request.num_tokens))
+            drafts = index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max, count)
+            request.spec_token_ids = self.structured_outputs.allowed_drafts(request.request_id, drafts)
 
     def _queue_compiled(self) -> None:
         """The requests whose grammar compiled, into the scheduler; those refused for it, into
@@ -303,12 +338,13 @@ class EngineCore:
         if not self.structured_outputs.matchers:
             return
         requests = self.scheduler.requests
-        sampled = [
-            request_id
-            for request_id, n in step.num_scheduled_tokens.items()
-            if requests[request_id].num_computed_tokens + n == requests[request_id].num_tokens
-        ]
-        step.structured_output_request_ids, step.grammar_bitmask = self.structured_outputs.fill(sampled)
+        drafts = step.scheduled_spec_tokens
+        sampled = []
+        for request_id, n in step.num_scheduled_tokens.items():
+            request = requests[request_id]
+            if request.num_computed_tokens + n - len(drafts.get(request_id, ())) == request.num_tokens:
+                sampled.append(request_id)
+        step.structured_output_request_ids, step.grammar_bitmask = self.structured_outputs.fill(sampled, drafts)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step. If it raises, the step is undone and its requests run one at a time:

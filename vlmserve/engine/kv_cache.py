@@ -191,6 +191,17 @@ class KVCacheManager:
             self.pool.cache(blocks[i], block_hash)
         self._num_cached_blocks[request.request_id] = full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (held for drafts that were
+        rejected: not computed, never cached)."""
+        blocks = self.block_ids.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if blocks and len(blocks) > keep:
+            assert keep >= self._num_cached_blocks.get(request_id, 0), "a cached block is never trimmed"
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(tail[::-1])
+
     def free(self, request_id: str) -> None:
         blocks = self.block_ids.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)

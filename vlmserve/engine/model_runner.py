@@ -50,6 +50,9 @@ class ModelRunner:
         self.state_layers = [m for m in model.modules() if isinstance(m, SequenceState)]
         # Decode steps replayed from CUDA graphs (capture_decode_graphs); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # The step's saved per-request state of requests verifying drafts (slots, per state
+        # layer its tensors' rows), until its drafts are checked (_save_states).
+        self._saved_states: tuple[list[int], list[list[torch.Tensor]]] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -158,34 +161,85 @@ class ModelRunner:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), batch.mm_spans)
         self._copy_states(step.copies_before_forward)
+        self._save_states(batch)
         hidden = self.model(None, batch.positions.to(self.device), meta, inputs_embeds, layer_extras)
         self._copy_states(step.copies_after_forward)
         return hidden
 
     def sample(self, batch: StepBatch, hidden: torch.Tensor, step: SchedulerOutput) -> ModelRunnerOutput:
         """Prompt logprobs of the step's prompt rows, then a token for each sampled request (every
-        rank appends rank 0's), its logprobs where asked for."""
+        rank appends rank 0's), its logprobs where asked for. A request verifying drafts is
+        sampled at each of its rows, as if the drafts before the row were its tokens: its drafts
+        are accepted while each equals the sample before it, and the first sample that differs
+        (or the one after the last draft) is its next token (engine/speculative.py)."""
         batch.prompt_rows.compute(hidden, batch.hidden_rows(batch.prompt_rows.rows), self.model.compute_logits)
         sampled = batch.sampled
         if not sampled:
+            self._saved_states = None
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.hidden_rows(batch.sample_rows)])
-        params = [s.params for s in sampled]
-        generators, histories = [s.generator for s in sampled], [s.history() for s in sampled]
-        tokens = self.sampler(logits, params, generators, histories, _grammar_of(step, sampled))
+        pairs = zip(sampled, batch.drafts, strict=True)
+        rows = [(state, drafts[:j]) for state, drafts in pairs for j in range(len(drafts) + 1)]
+        params = [state.params for state, _ in rows]
+        generators = [state.generator for state, _ in rows]
+        histories = [state.history(before) for state, before in rows]
+        tokens = self.sampler(logits, params, generators, histories, _grammar_of(step, sampled, batch.drafts))
         # Tensor parallel: every rank appends rank 0's tokens (identity in one process).
-        tokens = share_sampled([s.request_id for s in sampled], tokens)
-        out = ModelRunnerOutput(sampled_token_ids={s.request_id: t for s, t in zip(sampled, tokens, strict=True)})
-        counts = [s.params.logprobs for s in sampled]
-        if any(c is not None for c in counts):
-            info = token_logprobs(logits, tokens, counts)
-            out.logprobs = {s.request_id: x for s, x in zip(sampled, info, strict=True) if x is not None}
-        for state, token in zip(sampled, tokens, strict=True):
+        tokens = share_sampled([state.request_id for state, _ in rows], tokens)
+        counts = [state.params.logprobs for state, _ in rows]
+        info = token_logprobs(logits, tokens, counts) if any(c is not None for c in counts) else None
+        out = ModelRunnerOutput()
+        rejected: list[CachedRequestState] = []
+        row = 0
+        for state, drafts in zip(sampled, batch.drafts, strict=True):
+            mine = tokens[row : row + len(drafts) + 1]
+            accepted = 0
+            while accepted < len(drafts) and mine[accepted] == drafts[accepted]:
+                accepted += 1
+            kept = mine[: accepted + 1]
+            out.sampled_token_ids[state.request_id] = kept
+            if info is not None and info[row] is not None:
+                out.logprobs[state.request_id] = [x for x in info[row : row + accepted + 1] if x is not None]
             if state.samples_prompt_logprobs:
                 assert state.prompt_logprobs is not None
                 out.prompt_logprobs[state.request_id] = finished_buffer(state.prompt_logprobs)
-            state.token_ids.append(token)
+            if accepted < len(drafts):
+                rejected.append(state)
+            state.token_ids.extend(kept)
+            row += len(drafts) + 1
+        self._restore_states(rejected, out)
         return out
+
+    def _save_states(self, batch: StepBatch) -> None:
+        """Before the forward: the per-request state (conv windows, recurrent states) of the
+        requests verifying drafts, which a rejected draft leaves wrong (it cannot be undone: the
+        state after the accepted tokens is not kept)."""
+        self._saved_states = None
+        if not self.state_layers:
+            return
+        spec = [state.state_slot for state, drafts in zip(batch.sampled, batch.drafts, strict=True) if drafts]
+        if not spec:
+            return
+        index = torch.tensor(spec, dtype=torch.long, device=self.device)
+        saved = [[state.index_select(0, index) for state in layer.states] for layer in self.state_layers]
+        self._saved_states = (spec, saved)
+
+    def _restore_states(self, rejected: list[CachedRequestState], out: ModelRunnerOutput) -> None:
+        """Put back the saved state of the requests that rejected a draft: none of the step's
+        tokens stays computed for them, and the scheduler has them computed again (with the
+        accepted drafts and the new token: one step, as long as a verify step is)."""
+        saved, self._saved_states = self._saved_states, None
+        if saved is None or not rejected:
+            return
+        slots, tensors = saved
+        where = [slots.index(state.state_slot) for state in rejected]
+        index = torch.tensor(where, dtype=torch.long, device=self.device)
+        dst = torch.tensor([state.state_slot for state in rejected], dtype=torch.long, device=self.device)
+        for layer, layer_saved in zip(self.state_layers, tensors, strict=True):
+            for tensor, copy in zip(layer.states, layer_saved, strict=True):
+                tensor.index_copy_(0, dst, copy.index_select(0, index))
+        for request in rejected:
+            out.num_kept_tokens[request.request_id] = 0
 
     def _copy_states(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy per-request state from slot to slot in every SequenceState layer (the slot group,
@@ -223,15 +277,26 @@ class ModelRunner:
         return profile_worst_step(self, dummy_items, num_tokens, max_model_len, num_seqs, block_size)
 
 
-def _grammar_of(step: SchedulerOutput, sampled: list[CachedRequestState]) -> GrammarMask | None:
-    """The step's grammar masks (filled once, by the engine core) as rows of the sampled requests."""
+def _grammar_of(
+    step: SchedulerOutput, sampled: list[CachedRequestState], drafts: list[list[int]]
+) -> GrammarMask | None:
+    """The step's grammar masks (filled once, by the engine core) as the sampled rows: a request's
+    1 + drafts rows take its consecutive rows of the bitmask (each after the drafts before it)."""
     bitmask = step.grammar_bitmask
     if bitmask is None or not step.structured_output_request_ids:
         return None
-    where = {request_id: i for i, request_id in enumerate(step.structured_output_request_ids)}
-    rows = [j for j, s in enumerate(sampled) if s.request_id in where]
-    if not rows:
+    first: dict[str, int] = {}
+    for i, request_id in enumerate(step.structured_output_request_ids):
+        first.setdefault(request_id, i)
+    picks: list[tuple[int, int]] = []  # (sampled row, bitmask row)
+    row = 0
+    for state, mine in zip(sampled, drafts, strict=True):
+        base = first.get(state.request_id)
+        if base is not None:
+            picks += [(row + j, base + j) for j in range(len(mine) + 1)]
+        row += len(mine) + 1
+    if not picks:
         return None
-    masks = torch.full((len(sampled), bitmask.shape[1]), -1, dtype=torch.int32)
-    masks[rows] = bitmask[[where[sampled[j].request_id] for j in rows]]
-    return GrammarMask(masks, rows)
+    masks = torch.full((row, bitmask.shape[1]), -1, dtype=torch.int32)
+    masks[[a for a, _ in picks]] = bitmask[[b for _, b in picks]]
+    return GrammarMask(masks, [a for a, _ in picks])

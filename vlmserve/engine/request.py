@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from vlmserve.engine.speculative import DraftBackoff, NgramIndex
 from vlmserve.ipc.contracts import EngineCoreEvent, EngineCoreEventType
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -67,6 +68,11 @@ class Request:
         self.stop_reason: int | str | None = None
         # Events not yet sent with an output (only when the scheduler records them).
         self.events: list[EngineCoreEvent] = []
+        # Speculative decoding: the drafts the next step verifies (set before each schedule), how
+        # many the request drafts (None: no speculation), and the n-gram proposer's copy of its tokens.
+        self.spec_token_ids: list[int] = []
+        self.backoff: DraftBackoff | None = None
+        self.draft_index: NgramIndex | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +99,11 @@ class Request:
             return None
         events, self.events = self.events, []
         return events
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every known token but the last computed: the next step decodes (or verifies drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

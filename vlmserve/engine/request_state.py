@@ -85,8 +85,10 @@ class CachedRequestState:
         (after that, a recompute after a preemption has them already)."""
         return self.prompt_logprobs is not None and len(self.token_ids) == self.num_prompt_tokens
 
-    def history(self) -> TokenHistory:
-        return TokenHistory(self.token_ids, self.num_prompt_tokens, self.all_stop_token_ids)
+    def history(self, drafts: list[int] | None = None) -> TokenHistory:
+        """Its tokens so far (and, for a row verifying drafts, the drafts before the row)."""
+        tokens = self.token_ids + drafts if drafts else self.token_ids
+        return TokenHistory(tokens, self.num_prompt_tokens, self.all_stop_token_ids)
 
     def positions(self, start: int, end: int, decode_positions: DecodePositions) -> torch.Tensor:
         """[3, end - start] positions of tokens [start, end): the prompt's own, then the model's

@@ -58,6 +58,9 @@ class SchedulerConfig:
     # Encoder tokens (merged image embeddings) computed per step and held at once.
     max_encoder_tokens_per_step: int = 8192
     encoder_cache_tokens: int = 16384
+    # Speculative decoding by a draft head (mtp): KV slots held past a step's tokens for the
+    # head's draft steps, which write its own KV at the positions after them.
+    draft_lookahead: int = 0
 
 
 class Scheduler:
@@ -188,16 +191,21 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request.request_id, start + n):
+            drafts = self._drafts_to_verify(request, start, n, room)
+            lookahead = self.config.draft_lookahead if request.backoff is not None else 0
+            while not self.kv.allocate_slots(request.request_id, start + n + len(drafts) + lookahead):
+                if drafts or lookahead:
+                    drafts, lookahead = [], 0  # the pool is short: a plain step first
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._schedule(out, request, n)
-                budget -= n
-                shares[request.owner] -= n
+                self._schedule(out, request, n, drafts, lookahead)
+                budget -= n + len(drafts)
+                shares[request.owner] -= n + len(drafts)
                 encoder_budget -= encoder_tokens
                 i += 1
                 continue
@@ -280,7 +288,7 @@ class Scheduler:
         smallest demands served whole first and the rest split evenly."""
         demand: Counter[str] = Counter()
         for request in self.running:
-            demand[request.owner] += request.num_tokens - request.num_computed_tokens
+            demand[request.owner] += request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids)
         for request in admissions:
             demand[request.owner] += request.num_tokens
         shares = {}
@@ -289,6 +297,13 @@ class Scheduler:
             shares[owner] = min(demand[owner], -(-budget // (len(owners) - k)))  # an even share, rounded up
             budget -= shares[owner]
         return shares
+
+    def _drafts_to_verify(self, request: Request, start: int, n: int, room: int) -> list[int]:
+        """The drafts a decoding request verifies this step (as many of its proposed ones as the
+        room left after its token)."""
+        if not request.spec_token_ids or start + n != request.num_tokens:
+            return []
+        return request.spec_token_ids[: max(0, room - n)]
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
         """The most tokens to compute from `start`: the rest, within the budget, as far as the
@@ -314,9 +329,20 @@ class Scheduler:
             counted.add(item.content_hash)
         return n, need
 
-    def _schedule(self, out: SchedulerOutput, request: Request, n: int) -> None:
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, n: int, drafts: list[int] | None = None, lookahead: int = 0
+    ) -> None:
+        """`drafts`: what the request verifies after its n tokens; `lookahead`: KV slots held past
+        them, where its draft head proposes after the step (then it is told how many)."""
         request_id = request.request_id
-        out.num_scheduled_tokens[request_id] = n
+        out.num_scheduled_tokens[request_id] = n + len(drafts or ())
+        if drafts:
+            out.scheduled_spec_tokens[request_id] = drafts
+        request.spec_token_ids = []
+        if lookahead and request.backoff is not None:
+            wanted = min(request.backoff.next_count(), request.max_tokens - len(request.output_token_ids) - 1)
+            if wanted > 0:
+                out.num_drafts_wanted[request_id] = wanted
         block_ids = self.kv.block_ids[request_id]
         if not request.sent_to_runner:
             out.scheduled_new_reqs.append(
@@ -347,7 +373,8 @@ class Scheduler:
             )
         request.num_sent_blocks = len(block_ids)
         start, end = request.num_computed_tokens, request.num_computed_tokens + n
-        out.copies_after_forward += self.kv.copies_after_step(request, end)
+        if not drafts:  # (a state saved after drafts might hold rejected ones: none is)
+            out.copies_after_forward += self.kv.copies_after_step(request, end)
         for index, item in enumerate(request.mm_items):
             # Acquire every image this chunk holds placeholders of; encode those not cached.
             in_chunk = item.offset < end and item.end > start
@@ -358,6 +385,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         self._release_encoder_outputs(request, upto=None)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_sent_blocks = -1  # its blocks are gone: the runner gets a whole new list
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -383,7 +411,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             try:
-                output = self._update_request(request, n, result)
+                output = self._update_request(request, n, out.scheduled_spec_tokens.get(request_id, []), result)
             except Exception:
                 logger.exception("updating request %s failed; dropping it", request_id)
                 self._drop(request)
@@ -393,25 +421,44 @@ class Scheduler:
                 outputs.append(output)
         return outputs
 
-    def _update_request(self, request: Request, n: int, result: ModelRunnerOutput) -> EngineCoreOutput | None:
+    def _update_request(
+        self, request: Request, n: int, drafts: list[int], result: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
         request_id = request.request_id
-        request.num_computed_tokens += n
+        tokens = result.sampled_token_ids.get(request_id)
+        # Drafts rejected: their KV is not the request's (written over later); a request whose
+        # per-request state could not be kept past them computes the step's tokens again.
+        accepted = len(tokens) - 1 if tokens is not None and drafts else 0
+        kept = result.num_kept_tokens.get(request_id, n - (len(drafts) - accepted))
+        request.num_computed_tokens += kept
         self.kv.step_succeeded(request, request.num_computed_tokens)
         self._release_encoder_outputs(request, upto=request.num_computed_tokens)
-        token = result.sampled_token_ids.get(request_id)
-        if token is None:
+        if tokens is None:
             return None  # a prompt chunk that did not reach the end of the prompt
-        request.append_output_token(token)
+        if drafts and request.backoff is not None:
+            request.backoff.verified(len(drafts), accepted)
+        appended = []
+        for token in tokens:
+            request.append_output_token(token)
+            appended.append(token)
+            if request.status.finished:
+                break
+        request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+        if accepted < len(drafts) and not request.status.finished:
+            self.kv.trim(request_id, request.num_tokens)
+            request.num_sent_blocks = -1  # the runner gets its whole (shorter) list next step
         logprobs = result.logprobs.get(request_id)
         output = EngineCoreOutput(
             request_id=request_id,
-            new_token_ids=[token],
+            new_token_ids=appended,
             finish_reason=request.status.value if request.status.finished else None,
             stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
             num_cached_tokens=request.num_cached_tokens,
-            logprobs=None if logprobs is None else [logprobs],
+            logprobs=None if logprobs is None else logprobs[: len(appended)],
             prompt_logprobs=result.prompt_logprobs.get(request_id),
             events=request.take_events(),
+            num_draft_tokens=len(drafts),
+            num_accepted_tokens=accepted,
         )
         if request.status.finished:
             self.running.remove(request)

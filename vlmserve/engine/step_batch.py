@@ -4,7 +4,8 @@ before the forward, and what the forward and the sampler read from it.
 The scheduled requests' new tokens lie end to end: request i's are rows [query_start_loc[i],
 query_start_loc[i + 1]), the last of its seq_lens[i] tokens, their K/V written at their slots
 (block_ids[t // block_size] * block_size + t % block_size). A request whose known tokens are all
-computed by this step is sampled from its last row."""
+computed by this step is sampled from its last row; one verifying drafted tokens (speculative
+decoding) has them after its known tokens and is sampled from its last 1 + drafts rows."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class StepBatch:
     mm_spans: list[tuple[int, torch.Tensor]]
     scheduled: list[CachedRequestState]  # [num_seqs], in batch order
     sampled: list[CachedRequestState]  # the requests sampled this step
-    sample_rows: list[int]  # the row each one is sampled from
+    sample_rows: list[int]  # the rows they are sampled from: 1 + len(drafts[i]) for sampled[i], in order
+    drafts: list[list[int]] = field(default_factory=list)  # per sampled request, the drafts it verifies
     prompt_rows: PromptLogprobsRows = field(default_factory=PromptLogprobsRows)
     # The rows whose hidden states this step uses, ascending, where that is fewer than all and the
     # model skips the others in its last layer (prepare decides); None: every row.
@@ -75,13 +77,18 @@ def prepare(
     scheduled: list[CachedRequestState] = []
     sampled: list[CachedRequestState] = []
     sample_rows: list[int] = []
+    drafts: list[list[int]] = []
     prompt_rows = PromptLogprobsRows()
     for request_id, n in step.num_scheduled_tokens.items():
         state = requests[request_id]
         start, end = state.num_computed_tokens, state.num_computed_tokens + n
-        assert end <= len(state.token_ids), f"{request_id}: tokens up to {end} scheduled, {len(state.token_ids)} known"
+        spec = step.scheduled_spec_tokens.get(request_id, [])
+        known = len(state.token_ids) + len(spec)
+        assert end <= known, f"{request_id}: tokens up to {end} scheduled, {known} known"
+        assert not spec or end == known, f"{request_id}: drafts scheduled but not every known token"
         base = len(token_ids)
         token_ids.extend(state.token_ids[start:end])
+        token_ids.extend(spec)
         positions.append(state.positions(start, end, decode_positions))
         blocks = state.block_ids
         slots.extend(blocks[t // block_size] * block_size + t % block_size for t in range(start, end))
@@ -98,9 +105,10 @@ def prepare(
         if state.samples_prompt_logprobs and count is not None:
             assert state.prompt_logprobs is not None
             prompt_rows.add(state.prompt_logprobs, state.token_ids, start, end, base, count)
-        if end == len(state.token_ids):  # every known token computed: sample the next one
-            sample_rows.append(len(token_ids) - 1)
+        if end == known:  # every known token computed: sample the next one (and check the drafts)
+            sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
             sampled.append(state)
+            drafts.append(spec)
     batch = StepBatch(
         token_ids=token_ids,
         positions=torch.cat(positions, dim=1),
@@ -112,6 +120,7 @@ def prepare(
         scheduled=scheduled,
         sampled=sampled,
         sample_rows=sample_rows,
+        drafts=drafts,
         prompt_rows=prompt_rows,
     )
     if prunes_output_rows:

@@ -103,10 +103,14 @@ def _alone(runner: ModelRunner, step: SchedulerOutput, request_id: str) -> Sched
     ]
     if missing:
         one.scheduled_encoder_inputs = {request_id: missing}
+    if request_id in step.scheduled_spec_tokens:
+        one.scheduled_spec_tokens = {request_id: step.scheduled_spec_tokens[request_id]}
+    if request_id in step.num_drafts_wanted:
+        one.num_drafts_wanted = {request_id: step.num_drafts_wanted[request_id]}
     if step.grammar_bitmask is not None and request_id in step.structured_output_request_ids:
-        row = step.structured_output_request_ids.index(request_id)
-        one.structured_output_request_ids = [request_id]
-        one.grammar_bitmask = step.grammar_bitmask[row : row + 1]
+        rows = [i for i, r in enumerate(step.structured_output_request_ids) if r == request_id]  # one per sampled row
+        one.structured_output_request_ids = [request_id] * len(rows)
+        one.grammar_bitmask = step.grammar_bitmask[rows[0] : rows[-1] + 1]
     return one
 
 
@@ -135,4 +139,6 @@ def execute_one_at_a_time(
         merged.sampled_token_ids.update(result.sampled_token_ids)
         merged.logprobs.update(result.logprobs)
         merged.prompt_logprobs.update(result.prompt_logprobs)
+        merged.num_kept_tokens.update(result.num_kept_tokens)
+        merged.draft_token_ids.update(result.draft_token_ids)
     return merged, failed

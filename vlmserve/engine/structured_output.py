@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -182,14 +182,20 @@ class TokenBitmask:
         self.vocab_size = vocab_size
         self._buffer: torch.Tensor | None = None
 
+    def buffer(self, rows: int) -> torch.Tensor:
+        """The buffer's first `rows` rows (grown where short)."""
+        import xgrammar
+
+        if self._buffer is None or self._buffer.shape[0] < rows:
+            self._buffer = xgrammar.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+        return self._buffer[:rows]
+
     def fill(self, states: Sequence[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:
         """Row i: the tokens states[i] allows next; a row without a grammar (None) or whose grammar
         ended is left out. Returns the bitmask [len(states), words] (a view of the buffer) and the
         rows to apply it to."""
-        import xgrammar
-
-        if self._buffer is None or self._buffer.shape[0] < len(states):
-            self._buffer = xgrammar.allocate_token_bitmask(max(len(states), 8), self.vocab_size)
+        self.buffer(len(states))
+        assert self._buffer is not None
         rows = [i for i, s in enumerate(states) if s is not None and not s.terminated]
         for i in rows:
             state = states[i]
@@ -361,15 +367,56 @@ class StructuredOutputs:
             if self.waiting.pop(request_id, None) is not None:
                 self._refused[request_id] = why
 
-    def fill(self, sampled: list[str]) -> tuple[list[str], torch.Tensor | None]:
-        """The requests among `sampled` (request ids) whose grammar goes on, and their masks
-        [rows, words] int32 (a copy: it travels with the step); ([], None) for none."""
+    def fill(
+        self, sampled: list[str], drafts: Mapping[str, Sequence[int]] | None = None
+    ) -> tuple[list[str], torch.Tensor | None]:
+        """The requests among `sampled` (request ids) whose grammar goes on, one per row, and their
+        masks [rows, words] int32 (a copy: it travels with the step); ([], None) for none. A
+        request verifying drafts has 1 + len(drafts) rows, each the mask after the drafts before
+        it (a row after the grammar ended allows every token)."""
         live = [r for r in sampled if r in self.matchers and not self.matchers[r].terminated]
         if not live:
             return [], None
-        bitmask, rows = self.bitmask.fill([self.matchers[r] for r in live])
-        assert rows == list(range(len(live)))
-        return live, bitmask.clone()
+        drafts = drafts or {}
+        if not any(drafts.get(r) for r in live):
+            bitmask, rows = self.bitmask.fill([self.matchers[r] for r in live])
+            assert rows == list(range(len(live)))
+            return live, bitmask.clone()
+        ids = [r for r in live for _ in range(len(drafts.get(r, ())) + 1)]
+        bitmask = self.bitmask.buffer(len(ids))
+        row = 0
+        for request_id in live:
+            matcher = self.matchers[request_id].matcher
+            mine = drafts.get(request_id, ())
+            taken = 0
+            for j in range(len(mine) + 1):
+                if matcher.is_terminated():
+                    bitmask[row].fill_(-1)
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, row)
+                    if j < len(mine):
+                        ok = matcher.accept_token(mine[j])
+                        assert ok, "drafts are checked against the grammar when proposed"
+                        taken += 1
+                row += 1
+            if taken:
+                matcher.rollback(taken)
+        return ids, bitmask.clone()
+
+    def allowed_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The drafts the request's grammar allows, up to the first it does not (all of them
+        for a request without a grammar, or whose grammar ended)."""
+        state = self.matchers.get(request_id)
+        if state is None or state.terminated or not drafts:
+            return drafts
+        matcher, taken = state.matcher, 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        return drafts[:taken]
 
     def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Tokens a step that succeeded sampled for the request (nothing for one without a grammar)."""

@@ -75,6 +75,7 @@ class LLM:
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         """state_save_interval, saved_state_slots: where a model with recurrent state (Qwen3.5)
         saves it for prefix caching besides message ends and the prompt's last full block (every so
@@ -85,7 +86,10 @@ class LLM:
         --grammar-cache-gib and --max-grammar-compile-seconds).
         tensor_parallel_size: the model on that many rank processes (one device each on CUDA);
         with nnodes > 1 the other machines' ranks join by `vlmserve worker` at master_addr:master_port
-        (docs/server.md, "Tensor parallelism and many machines")."""
+        (docs/server.md, "Tensor parallelism and many machines").
+        speculative_config: vLLM's, {"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "mtp", "num_speculative_tokens":
+        k} (a checkpoint with an MTP head: Qwen3.5's); docs/engine.md, "Speculative decoding"."""
         configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -120,6 +124,7 @@ class LLM:
             node_rank=node_rank,
             master_addr=master_addr,
             master_port=master_port,
+            speculative_config=speculative_config,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),

@@ -39,7 +39,8 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     """A request the runner already holds, as it changed since the step before."""
 
     request_id: str
-    # After a preemption the request's blocks were freed: block_ids replace the old ones.
+    # After a preemption the request's blocks were freed: block_ids replace the old ones (so they
+    # do too where blocks held for rejected drafts were freed).
     resumed_from_preemption: bool
     new_block_ids: list[int]
     num_computed_tokens: int
@@ -65,8 +66,15 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # Structured outputs: the requests sampled this step under a grammar, and their masks, filled
     # once by the engine core (row i: structured_output_request_ids[i]; xgrammar's bitmask
     # [rows, ceil(vocab / 32)] int32, a set bit allowing its token). Every rank applies the same.
+    # A request verifying drafts has one row per token it samples (1 + its drafts), in order.
     structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # Speculative decoding: request id -> the drafted tokens this step verifies (its
+    # num_scheduled_tokens count them: its last sampled token, then these).
+    scheduled_spec_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Request id -> how many tokens its draft head should propose after this step (mtp; none
+    # for a request not named).
+    num_drafts_wanted: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -83,10 +91,17 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
-    # Request id -> the token sampled for it, for the requests whose known tokens were all computed.
-    sampled_token_ids: dict[str, int] = msgspec.field(default_factory=dict)
-    # Request id -> its sampled token's logprobs, where the request asked for them.
-    logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
+    # Request id -> the tokens sampled for it, for the requests whose known tokens were all
+    # computed: one, or with drafts verified, the accepted drafts and the token after them.
+    sampled_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Request id -> each sampled token's logprobs, where the request asked for them.
+    logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    # Request id -> how many of the step's tokens stay computed, where that is fewer than its
+    # token and accepted drafts: a request with per-request state (Qwen3.5's) that rejected a
+    # draft has its state put back as before the step, and computes those tokens again.
+    num_kept_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # Request id -> the drafts its draft head proposed for the next step (mtp).
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Request id -> its prompt logprobs (prompt tokens 1.., each given the tokens before it),
     # sent once, with the request's first sampled token, where it asked for them.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
@@ -119,3 +134,6 @@ class EngineCoreOutput(msgspec.Struct):
     prompt_logprobs: list[TokenLogprobs] | None = None
     # The request's events since its last output, when the engine records them (log_stats).
     events: list[EngineCoreEvent] | None = None
+    # Speculative decoding: the drafts this step verified for it, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
