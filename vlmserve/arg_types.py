@@ -92,6 +92,25 @@ def limit_mm_per_prompt(text: str) -> dict[str, int]:
     return value
 
 
+def speculative_config(text: str) -> dict[str, object]:
+    """vLLM's --speculative-config: a JSON object, checked as the engine will read it."""
+    from vlmserve.engine.speculative import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object like \'{{"method": "ngram", "num_speculative_tokens": 4}}\', got {text!r}'
+        )
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def network(text: str) -> str:
     """CIDR[:PORT] (IPv6 in brackets when a port is given): checked here, parsed by the server."""
     try:

@@ -26,6 +26,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # One {token id: Logprob} per generated token (the sampled one and the top ones), when asked.
     logprobs: list[dict[int, Logprob]] | None = None
+    # Speculative decoding: the drafted tokens verified for this sample, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

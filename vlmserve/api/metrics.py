@@ -181,6 +181,16 @@ class VllmMetrics:
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_position = families.get(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+        )
+        self.spec_accepted_per_position = lambda i: per_position.labels(*values, str(i))
         success = families.get(
             Counter, "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"]
         )
@@ -249,6 +259,12 @@ class VllmMetrics:
         self.prompt_tokens_by_source["local_cache_hit"].inc(cached)
         self.prompt_tokens_cached.inc(cached)
         self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_spec_drafts:
+            self.spec_drafts.inc(stats.num_spec_drafts)
+            self.spec_draft_tokens.inc(stats.num_draft_tokens)
+            self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
+            for i, count in enumerate(stats.accepted_per_position):
+                self.spec_accepted_per_position(i).inc(count)
         self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         for n in stats.n_params:
             self.n_param.observe(n)

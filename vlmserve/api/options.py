@@ -21,6 +21,7 @@ from vlmserve.arg_types import (
     port,
     positive_float,
     positive_int,
+    speculative_config,
 )
 from vlmserve.errors import UsageError, UserError
 from vlmserve.parser_names import (
@@ -139,6 +140,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--limit-images", type=non_negative_int, default=8, help="images per request")
     p.add_argument("--limit-videos", type=non_negative_int, default=1, help="videos per request")
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (drafts from the request\'s own tokens) or \'{"method": "mtp", '
+        "\"num_speculative_tokens\": 2}' (a checkpoint's multi-token-prediction head)",
+    )
     p.add_argument(
         "--limit-mm-per-prompt",
         type=limit_mm_per_prompt,

@@ -115,14 +115,20 @@ class OutputProcessor:
             parent = sample.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, update.num_cached_tokens)
             sample.output.token_ids.extend(update.new_token_ids)
+            sample.output.num_draft_tokens += update.num_draft_tokens
+            sample.output.num_accepted_tokens += update.num_accepted_tokens
             if update.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 # The n samples share the prompt: the first to arrive serves.
                 parent.prompt_logprobs = self._prompt_logprobs(parent.prompt_token_ids, update.prompt_logprobs)
             if update.logprobs is not None and sample.output.logprobs is not None:
                 self._add_logprobs(sample.output, update.new_token_ids, update.logprobs)
             finished = update.finish_reason is not None
+            seen = len(sample.detokenizer.token_ids)
             stop = sample.detokenizer.update(update.new_token_ids, finished, update.finish_reason == "stop")
             if stop is not None:
+                # Several tokens at once (accepted drafts): those after the one that completed the
+                # stop string are not the output's, as they would not be had they come one by one.
+                _drop_last(sample.output, len(update.new_token_ids) - (len(sample.detokenizer.token_ids) - seen))
                 sample.output.finish_reason, sample.output.stop_reason = "stop", stop
                 if not finished:
                     stopped.append(update.request_id)
@@ -187,3 +193,11 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for s in parent.samples:
             self.samples.pop(child_request_id(parent.request_id, s.index, len(parent.samples)), None)
+
+
+def _drop_last(output: CompletionOutput, count: int) -> None:
+    """The output's last `count` tokens (and their logprobs) removed."""
+    if count > 0:
+        del output.token_ids[-count:]
+        if output.logprobs:
+            del output.logprobs[-count:]

@@ -70,6 +70,12 @@ class IterationStats:
     # Per request whose samples have all finished: its n, and its longest sample's tokens.
     n_params: list[int] = field(default_factory=list)
     max_num_generation_tokens: list[int] = field(default_factory=list)
+    # Speculative decoding: verifications, the drafted tokens they checked, those accepted, and
+    # per draft position (0 first) how many verifications accepted it.
+    num_spec_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class StatLogger(Protocol):
@@ -124,6 +130,14 @@ class RequestStatsTracker:
             state.last_token_ts = timestamp
             state.num_generation_tokens += len(update.new_token_ids)
             stats.num_generation_tokens += len(update.new_token_ids)
+            if update.num_draft_tokens:
+                stats.num_spec_drafts += 1
+                stats.num_draft_tokens += update.num_draft_tokens
+                stats.num_accepted_tokens += update.num_accepted_tokens
+                per = stats.accepted_per_position
+                per.extend([0] * (update.num_accepted_tokens - len(per)))
+                for i in range(update.num_accepted_tokens):
+                    per[i] += 1
         for output in outputs:
             for sample in output.outputs:
                 if sample.finish_reason is None:

@@ -65,11 +65,16 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def extension(
-    prompts: list[ProcessedPrompt], grounding_convention: str | None, with_prompt_index: bool = False
+    prompts: list[ProcessedPrompt],
+    grounding_convention: str | None,
+    with_prompt_index: bool = False,
+    finals: list[RequestOutput] | None = None,
 ) -> dict[str, Any]:
     """The `vlmserve` extension field of a response (or of a stream's first chunk): each image's
     size as sent and as the model saw it, and the convention of the model's grounding boxes,
-    so a client can map boxes to its own pixels (vlmserve.grounding does it in Python)."""
+    so a client can map boxes to its own pixels (vlmserve.grounding does it in Python). With the
+    finished outputs, where speculative decoding drafted for them: per choice, the drafted tokens
+    verified, those accepted, and the rate."""
     items = []
     for i, prompt in enumerate(prompts):
         for item in prompt.mm_items:
@@ -79,7 +84,18 @@ def extension(
                 "resized_size": list(item.resized_size),
             }
             items.append({"prompt_index": i} | entry if with_prompt_index else entry)
-    return {"grounding_convention": grounding_convention, "mm_items": items}
+    out: dict[str, Any] = {"grounding_convention": grounding_convention, "mm_items": items}
+    choices = [c for final in finals or () for c in final.outputs]
+    if any(c.num_draft_tokens for c in choices):
+        out["speculative"] = [
+            {
+                "num_draft_tokens": c.num_draft_tokens,
+                "num_accepted_tokens": c.num_accepted_tokens,
+                "acceptance_rate": c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0,
+            }
+            for c in choices
+        ]
+    return out
 
 
 def chat_logprobs(

@@ -101,6 +101,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         grammar_cache_bytes=int(args.grammar_cache_gib * GiB),
         state_save_interval=args.state_save_interval,
         saved_state_slots=args.saved_state_slots,
+        speculative_config=args.speculative_config,
         max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

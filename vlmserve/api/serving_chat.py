@@ -67,7 +67,7 @@ class ChatServing(EngineServing):
                 for message, finish_reason in [parsing.message(c.text, c.finish_reason)]
             ],
             "usage": usage(prompt, final, parsing.reasoning_tokens(final.outputs, tokenizer)),
-            "vlmserve": extension([prompt], self.grounding_convention),
+            "vlmserve": extension([prompt], self.grounding_convention, finals=[final]),
         }
         if token_ids:  # vLLM's return_token_ids
             response["prompt_token_ids"] = list(final.prompt_token_ids)

@@ -68,7 +68,7 @@ class CompletionServing(EngineServing):
             "model": self.ctx.model_name,
             "choices": choices,
             "usage": _total_usage(prompts, finals),
-            "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True),
+            "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True, finals=finals),
         }
 
     async def stream(

@@ -158,7 +158,7 @@ class ResponsesServing(EngineServing):
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "usage": None if final is None else response_usage(prompt, final, self._reasoning_tokens(output, final)),
-            "vlmserve": extension([prompt], self.grounding_convention),
+            "vlmserve": extension([prompt], self.grounding_convention, finals=None if final is None else [final]),
         } | self._token_ids(run, prompt, final)
 
     @staticmethod
