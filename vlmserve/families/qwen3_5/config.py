@@ -5,8 +5,9 @@ the rotary part of a head: head_dim * partial_rotary_factor / 2 frequencies), mr
 and partial_rotary_factor; the vision tower under `vision_config` (Qwen3-VL's, no DeepStack).
 Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration) adds num_experts, num_experts_per_tok,
 moe_intermediate_size and shared_expert_intermediate_size: every layer's MLP is a routed mixture
-(top-k of a softmax, renormalised) plus one shared expert. Defaults are transformers'
-Qwen3_5Config / Qwen3_5MoeConfig."""
+(top-k of a softmax, renormalised) plus one shared expert. text_config.mtp_num_hidden_layers
+(1 in the published checkpoints; transformers' config does not name it) gives the layers of the
+multi-token-prediction head (mtp.py). Defaults are transformers' Qwen3_5Config / Qwen3_5MoeConfig."""
 
 from __future__ import annotations
 
