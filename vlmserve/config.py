@@ -123,6 +123,9 @@ class ModelConfig:
     # config.json's transformers_version: the transformers release that wrote the checkpoint (what
     # its weights' layout may depend on), or None.
     transformers_version: str | None = None
+    # Build the model with its speculative-decoding draft head (Qwen3.5's multi-token prediction),
+    # whose layers cost KV cache: not a field of config.json, set by build_model when asked.
+    draft_head: bool = False
 
 
 @dataclass(frozen=True)

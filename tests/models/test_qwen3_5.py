@@ -411,6 +411,9 @@ def test_make_tiny_writes_the_published_layout(tmp_path: Path) -> None:
     assert "lm_head.weight" in names and "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
     assert "model.language_model.layers.1.self_attn.q_proj.weight" in names
     assert not any("deepstack" in name for name in names)
+    # The multi-token-prediction head as published, and the config key saying its layers.
+    assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.norm.weight"} <= names.keys()
+    assert config.family_config.mtp_num_hidden_layers == 1
     Harness(out)  # every published name loads into the model, and the model has no weight left unloaded
 
 

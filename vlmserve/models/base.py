@@ -50,6 +50,19 @@ class VLModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    # Whether the model was built with a speculative-decoding draft head of its own (Qwen3.5's
+    # multi-token prediction; build_model's draft_head), which draft_forward runs.
+    has_draft_head: bool = False
+
+    def draft_forward(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The draft head's output [n, hidden] (compute_logits gives its logits) for n rows laid out
+        as a step of the target's: row i pairs the target's hidden state [n, hidden] at positions[:, i]
+        ([3, n]) with token_ids[i] [n], the token after it; meta's slot mapping and block tables
+        are the target's rows' at those positions (the head's own KV layers write there)."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft head")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 

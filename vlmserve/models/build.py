@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@contextlib.contextmanager
+def _naming_checkpoint(model_dir: Path) -> Iterator[None]:
+    """A checkpoint refused while the model is built or loaded: its folder named in the error."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"checkpoint {model_dir}: {error}") from error
+
+
 def _keep_packed(model: VLModel, model_dir: Path, packed: PackedConfig, device: torch.device) -> frozenset[str]:
     """Which checkpoint modules load 4-bit (their Linear layers replaced by Int4Linear), where the
     int4 kernels apply; none elsewhere (the checkpoint is dequantized as it loads)."""
@@ -61,15 +71,20 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     quantization: str | None = None,
+    draft_head: bool = False,
 ) -> VLModel:
     """quantization: None (the checkpoint's own: float, or AWQ/GPTQ as published), "int8"
-    (weight-only, made here from float weights), "awq" or "gptq" (must match the checkpoint)."""
+    (weight-only, made here from float weights), "awq" or "gptq" (must match the checkpoint).
+    draft_head: build and load the model's speculative-decoding draft head too (Qwen3.5's
+    multi-token prediction; its layers cost KV cache, so it is left out unless asked for)."""
     packed = read_packed_config(model_dir / "config.json")
     method = resolve_quantization(quantization, packed)
     # Built on the meta device so no memory is spent on random initialisation, then allocated
     # once on the target device and filled from the checkpoint.
-    with torch.device("meta"), _default_dtype(dtype):
-        model = model_class(config, backend)
+    with torch.device("meta"), _default_dtype(dtype), _naming_checkpoint(model_dir):
+        model = model_class(dataclasses.replace(config, draft_head=draft_head), backend)
+        if draft_head and not model.has_draft_head:
+            raise ValueError(f"{type(model).__name__} has no draft head (speculative decoding with method 'mtp')")
     # AWQ/GPTQ: the Linear layers the int4 kernels take stay 4-bit (models/quant/int4.py); every
     # other module's packed tensors become its float weight on the way in.
     kept_packed = _keep_packed(model, model_dir, packed, device) if packed is not None else frozenset()
@@ -78,7 +93,7 @@ def build_model(
     weights = progress(
         iterate_weights(model_dir), desc="loading weights", total=count_weights(model_dir), unit="tensor", logger=logger
     )
-    with weights:
+    with weights, _naming_checkpoint(model_dir):
         model.load_weights(weights if packed is None else dequantize_weights(weights, packed, kept_packed))
     if kept_packed:
         from vlmserve.kernels.int4 import load_int4_kernel

@@ -29,12 +29,16 @@ def vision_language_config(
     """The ModelConfig of config.json `raw` (its text section `text_raw`): `architectures[0]` or
     the family's, the vision tokens' ids as given or `token_ids`' defaults; `fields` are the
     family's own (family_config, mm_embedding_rows)."""
+    ids = {name: int(raw.get(name, default)) for name, default in token_ids.items()}
     return ModelConfig(
         model_type=raw["model_type"],
         architecture=(raw.get("architectures") or [default_architecture])[0],
         text=text,
         vision=vision,
-        **{name: int(raw.get(name, default)) for name, default in token_ids.items()},
+        image_token_id=ids["image_token_id"],
+        video_token_id=ids["video_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
         checkpoint_dtype=checkpoint_dtype(raw, text_raw),
         transformers_version=transformers_version(raw),
         **fields,

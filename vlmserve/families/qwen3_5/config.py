@@ -5,8 +5,9 @@ the rotary part of a head: head_dim * partial_rotary_factor / 2 frequencies), mr
 and partial_rotary_factor; the vision tower under `vision_config` (Qwen3-VL's, no DeepStack).
 Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration) adds num_experts, num_experts_per_tok,
 moe_intermediate_size and shared_expert_intermediate_size: every layer's MLP is a routed mixture
-(top-k of a softmax, renormalised) plus one shared expert. Defaults are transformers'
-Qwen3_5Config / Qwen3_5MoeConfig."""
+(top-k of a softmax, renormalised) plus one shared expert. text_config.mtp_num_hidden_layers
+(1 in the published checkpoints; transformers' config does not name it) gives the layers of the
+multi-token-prediction head (mtp.py). Defaults are transformers' Qwen3_5Config / Qwen3_5MoeConfig."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class Qwen35FamilyConfig:
     # expert beside them (its output scaled by a sigmoid gate per token).
     moe: MoeConfig | None = None
     shared_expert_intermediate_size: int = 0
+    # Decoder layers of the multi-token-prediction head the checkpoint ships (mtp.*; the published
+    # Qwen3.5 and Qwen3.5-MoE: 1, text_config.mtp_num_hidden_layers); 0 where it names none.
+    mtp_num_hidden_layers: int = 0
 
     @property
     def key_dim(self) -> int:
@@ -130,7 +134,12 @@ def _parse(raw: dict[str, Any], default_architecture: str, moe: bool) -> ModelCo
         mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
         moe=moe_config,
         shared_expert_intermediate_size=shared_width,
+        mtp_num_hidden_layers=int(text_raw.get("mtp_num_hidden_layers", 0)),
     )
+    if family.mtp_num_hidden_layers < 0:
+        raise ValueError(
+            f"config.json: text_config.mtp_num_hidden_layers {family.mtp_num_hidden_layers} must be at least 0"
+        )
     if family.num_v_heads % family.num_k_heads:
         raise ValueError(
             f"config.json: linear_num_value_heads {family.num_v_heads} must be a multiple of "

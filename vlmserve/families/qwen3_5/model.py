@@ -4,14 +4,17 @@ tokens, and the hybrid decoder (decoder.py) reads them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from vlmserve.attention import AttentionBackend
+from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.config import ModelConfig
 from vlmserve.families.common.model import VisionLanguageModel, untied_lm_head
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
 from vlmserve.families.qwen3_5.decoder import Qwen35Model
+from vlmserve.families.qwen3_5.mtp import Qwen35MultiTokenPredictor
 from vlmserve.families.qwen3_vl.vision import Qwen3VisionTransformer
 from vlmserve.models.loader import WeightTable
 from vlmserve.models.parallel import refuse_tensor_parallel
@@ -31,6 +34,20 @@ class Qwen35ForConditionalGeneration(VisionLanguageModel):
         self.visual = Qwen3VisionTransformer(config.vision, (), family.num_position_embeddings, backend)
         self.model = Qwen35Model(config.text, family, backend)
         self.lm_head = untied_lm_head(config.text)
+        # The multi-token-prediction head (mtp.py): built only when asked, for its KV cache.
+        self.mtp = Qwen35MultiTokenPredictor(config.text, family, backend) if config.draft_head else None
+        self.has_draft_head = self.mtp is not None
+
+    def draft_forward(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The MTP head's output [n, hidden] (compute_logits turns it into logits): row i takes
+        token_ids[i] [n] (the token after the one hidden[i] [n, hidden] was computed at) and runs
+        at positions[:, i] ([3, n], the hidden state's position) with meta's slot and blocks."""
+        if self.mtp is None:
+            raise NotImplementedError(f"{self.display_name} was built without its multi-token-prediction head")
+        cos, sin = self.model.rotary(positions, hidden.dtype)  # the decoder's M-RoPE
+        return self.mtp(self.get_input_embeddings(token_ids), hidden, cos, sin, meta)
 
     def encode(self, items: list[MultiModalItem], device: torch.device) -> torch.Tensor:
         """[total length, hidden]: the tower's merged row (it has no DeepStack rows)."""
@@ -76,9 +93,31 @@ class Qwen35ForConditionalGeneration(VisionLanguageModel):
                 "up_proj": ("gate_up_proj", "up"),
                 "down_proj": ("down_proj", None),
             },
-            # The published checkpoints carry a multi-token-prediction head (mtp.*) vlmserve does not run.
-            ignore=lambda name: name.startswith("mtp.") or self.ignores_weight(name),
+            # The published checkpoints carry a multi-token-prediction head (mtp.*), loaded where
+            # it was built (mtp.py names its tensors) and ignored otherwise.
+            ignore=lambda name: (self.mtp is None and name.startswith("mtp.")) or self.ignores_weight(name),
         )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As every family's; a head asked for of a checkpoint without one is refused by name."""
+        head_names: list[str] = []  # the checkpoint's mtp.* tensors
+
+        def seen(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith("mtp."):
+                    head_names.append(name)
+                yield name, tensor
+
+        try:
+            super().load_weights(seen(weights))
+        except ValueError:
+            if self.mtp is not None and not head_names:
+                raise ValueError(
+                    f"the checkpoint has no multi-token-prediction head (no mtp.* weights, though its "
+                    f"config.json says text_config.mtp_num_hidden_layers {self.family.mtp_num_hidden_layers}): "
+                    "speculative decoding with method 'mtp' needs a checkpoint that ships it"
+                ) from None
+            raise
 
 
 class Qwen35MoeForConditionalGeneration(Qwen35ForConditionalGeneration):

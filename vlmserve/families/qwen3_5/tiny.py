@@ -6,10 +6,11 @@ in_proj_b / in_proj_a / conv1d / dt_bias / A_log / norm / out_proj, self_attn.q_
 query and gate per head). The MoE preset (`make-tiny --arch qwen3_5_moe`) writes Qwen3.5-MoE:
 every layer's MLP as mlp.gate (the router), experts one by one (mlp.experts.<e>.gate_proj /
 up_proj / down_proj, as published and as transformers saves them), mlp.shared_expert.* and
-mlp.shared_expert_gate. The chat template is Qwen3.5's published one (chat_template.jinja, as the
-published checkpoints ship it: thinking, tools in Qwen3.5's XML format); tokenizer and processor
-configs are Qwen3-VL's (the published Qwen3.5 vocabulary is larger; a tiny checkpoint names its
-special ids in config.json)."""
+mlp.shared_expert_gate. Both write the multi-token-prediction head as published (mtp.*, one
+full-attention layer: text_config.mtp_num_hidden_layers 1). The chat template is Qwen3.5's
+published one (chat_template.jinja, as the published checkpoints ship it: thinking, tools in
+Qwen3.5's XML format); tokenizer and processor configs are Qwen3-VL's (the published Qwen3.5
+vocabulary is larger; a tiny checkpoint names its special ids in config.json)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def config_json(spec: TinySpec) -> dict[str, object]:
         "linear_num_key_heads": spec.linear_num_key_heads,
         "linear_num_value_heads": spec.linear_num_value_heads,
         "linear_value_head_dim": spec.linear_value_head_dim,
+        "mtp_num_hidden_layers": 1,  # the published head (mtp.*), of one layer
+        "mtp_use_dedicated_embeddings": False,
     }
     if spec.num_experts:
         del text["intermediate_size"]  # no dense MLP
@@ -134,7 +137,7 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Weights under the published names. Decays are kept slow (A in 0.01..0.2) so the recurrent
     state carries far along a prompt: a state lost between chunks changes the logits."""
     w = RandomWeights(seed)
-    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
     value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
@@ -159,26 +162,7 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         else:  # per head [query | gate] in q_proj; (1 + weight) norms
             weights |= qwen3_attention_weights(w, p + "self_attn.", h, q, kv, d, norm_mean=0.0, gated=True)
         weights |= decoder_norm_weights(w, p, h, mean=0.0)
-        if spec.num_experts:
-            mi, si = spec.moe_intermediate_size, spec.shared_expert_intermediate_size
-            # Expert outputs at half scale: three of them per token (two routed, the shared one)
-            # keep the residual stream about the dense model's size.
-            weights[p + "mlp.gate.weight"] = w.linear(spec.num_experts, h)
-            for e in range(spec.num_experts):
-                x = f"{p}mlp.experts.{e}."
-                weights |= {
-                    x + "gate_proj.weight": w.linear(mi, h),
-                    x + "up_proj.weight": w.linear(mi, h),
-                    x + "down_proj.weight": 0.5 * w.linear(h, mi),
-                }
-            weights |= {
-                p + "mlp.shared_expert.gate_proj.weight": w.linear(si, h),
-                p + "mlp.shared_expert.up_proj.weight": w.linear(si, h),
-                p + "mlp.shared_expert.down_proj.weight": 0.5 * w.linear(h, si),
-                p + "mlp.shared_expert_gate.weight": w.linear(1, h),
-            }
-        else:
-            weights |= swiglu_weights(w, p + "mlp.", h, i)
+        weights |= mlp_weights(w, spec, p + "mlp.")
     weights[lm + "norm.weight"] = w.vec(h, 0.0, 0.1)
     if not spec.tie_word_embeddings:
         weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
@@ -192,7 +176,53 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         out_hidden=h,
         num_deepstack=0,
     )
+    # Drawn last, so the rest of the checkpoint is what it was before the head was written.
+    weights |= mtp_weights(w, spec)
     return in_dtype(weights, spec.dtype)
+
+
+def mlp_weights(w: RandomWeights, spec: TinySpec, p: str) -> dict[str, torch.Tensor]:
+    """A layer's SwiGLU MLP, or in the MoE model its router, routed experts and shared expert
+    (`p` ends in "mlp.")."""
+    h = spec.hidden_size
+    if not spec.num_experts:
+        return swiglu_weights(w, p, h, spec.intermediate_size)
+    mi, si = spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+    # Expert outputs at half scale: three of them per token (two routed, the shared one) keep the
+    # residual stream about the dense model's size.
+    weights = {p + "gate.weight": w.linear(spec.num_experts, h)}
+    for e in range(spec.num_experts):
+        x = f"{p}experts.{e}."
+        weights |= {
+            x + "gate_proj.weight": w.linear(mi, h),
+            x + "up_proj.weight": w.linear(mi, h),
+            x + "down_proj.weight": 0.5 * w.linear(h, mi),
+        }
+    return weights | {
+        p + "shared_expert.gate_proj.weight": w.linear(si, h),
+        p + "shared_expert.up_proj.weight": w.linear(si, h),
+        p + "shared_expert.down_proj.weight": 0.5 * w.linear(h, si),
+        p + "shared_expert_gate.weight": w.linear(1, h),
+    }
+
+
+def mtp_weights(w: RandomWeights, spec: TinySpec) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction head as published (vlmserve/families/qwen3_5/mtp.py): fc over
+    [embedding | hidden], its two input norms, one full-attention layer with the model's MLP (its
+    experts in the MoE model), the output norm."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    m = "mtp."
+    weights = {
+        m + "fc.weight": w.linear(h, 2 * h),
+        m + "pre_fc_norm_embedding.weight": w.vec(h, 0.0, 0.1),
+        m + "pre_fc_norm_hidden.weight": w.vec(h, 0.0, 0.1),
+    }
+    weights |= qwen3_attention_weights(w, m + "layers.0.self_attn.", h, q, kv, d, norm_mean=0.0, gated=True)
+    weights |= decoder_norm_weights(w, m + "layers.0.", h, mean=0.0)
+    weights |= mlp_weights(w, spec, m + "layers.0.mlp.")
+    weights[m + "norm.weight"] = w.vec(h, 0.0, 0.1)
+    return weights
 
 
 def write_tiny_qwen3_5(out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1) -> Path:
