@@ -12,6 +12,7 @@ layouts) is tested in the family's own files under tests/models, tests/processor
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from tests.families.conftest import (
     skip_if_exempt,
 )
 from tests.model_harness import Harness
+from tests.speculation import oracle_drafts
 from vlmserve.family import ModelFamily
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.registry import (
@@ -241,6 +243,62 @@ def test_greedy_batched_alone_and_cached_match_the_reference(
     engine = llm.llm_engine
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
     # a family with per-request state (Qwen3.5's slot group) has its slots all back too
+    assert all(group.slots.num_free == group.slots.num_slots for group in engine.kv.groups)
+
+
+@pytest.fixture(scope="module")
+def speculative_llm(model_dir: Path) -> Any:
+    """The `llm` fixture's engine with n-gram speculation (drafts from any 1-3 repeated tokens)."""
+    from vlmserve import LLM
+
+    engine = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=64,
+        kv_cache_memory_gib=0.02,
+        limit_mm_per_prompt={"image": 2},
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
+    yield engine
+    del engine
+    gc.collect()
+
+
+def test_greedy_with_speculation_is_greedy_without(
+    family: ModelFamily, llm: Any, speculative_llm: Any, pictures
+) -> None:  # type: ignore[no-untyped-def]
+    """Speculative decoding changes no greedy token: the three conversations batched (image
+    prompts prefilled in chunks beside other requests' verifications) give what the engine gives
+    without it (which the check above holds to the reference), with n-gram drafts, then with
+    drafts that are the right continuation except a wrong token every few steps (so that every
+    family verifies drafts whether or not its random weights repeat themselves: whole drafts
+    accepted, some cut short, a hybrid model's state put back), the second time from the prefix
+    cache; every block and state slot comes back."""
+    from vlmserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24)
+    convs = list(conversations(pictures).values())
+    plain = [out.outputs[0].token_ids for out in llm.chat(convs, params)]
+    speculated = speculative_llm.chat(convs, params)
+    assert [out.outputs[0].token_ids for out in speculated] == plain, "n-gram drafts"
+    core = speculative_llm.llm_engine.core
+    before = dataclasses.replace(core.spec_stats)
+    answers = {tuple(out.prompt_token_ids): out.outputs[0].token_ids for out in speculated}
+    with oracle_drafts(core, answers):
+        again = speculative_llm.chat(convs, params)
+    assert [out.outputs[0].token_ids for out in again] == plain, "drafts right but for a wrong token"
+    assert any(out.num_cached_tokens > 0 for out in again)
+    drafted = core.spec_stats.num_draft_tokens - before.num_draft_tokens
+    accepted = core.spec_stats.num_accepted_tokens - before.num_accepted_tokens
+    assert 0 < accepted < drafted, (accepted, drafted)
+    engine = speculative_llm.llm_engine
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # rejected drafts' blocks came back
     assert all(group.slots.num_free == group.slots.num_slots for group in engine.kv.groups)
 
 

@@ -46,7 +46,15 @@ class _Parent:
             logprobs = None if o.logprobs is None else list(o.logprobs)
             outputs.append(
                 CompletionOutput(
-                    o.index, text, list(o.token_ids), o.finish_reason, o.stop_reason, o.cumulative_logprob, logprobs
+                    o.index,
+                    text,
+                    list(o.token_ids),
+                    o.finish_reason,
+                    o.stop_reason,
+                    o.cumulative_logprob,
+                    logprobs,
+                    o.num_draft_tokens,
+                    o.num_accepted_tokens,
                 )
             )
         return RequestOutput(

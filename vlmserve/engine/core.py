@@ -302,10 +302,15 @@ class EngineCore:
         up to the first its grammar does not allow and to its max_tokens; a draft head's (mtp)
         come with the step's output instead."""
         spec = self.speculative
-        if spec is None or spec.method != "ngram":
+        if spec is None:
             return
         for request in self.scheduler.running:
             if not request.is_decoding or request.backoff is None:
+                continue
+            if spec.method != "ngram":  # the head's, from the last step: its grammar may cut them
+                request.spec_token_ids = self.structured_outputs.allowed_drafts(
+                    request.request_id, request.spec_token_ids
+                )
                 continue
             room = request.max_tokens - len(request.output_token_ids) - 1
             count = min(request.backoff.next_count(), room)

@@ -23,10 +23,12 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
 from vlmserve.distributed.control import share_sampled
 from vlmserve.engine.cuda_graphs import Capture, DecodeGraphs
+from vlmserve.engine.draft_head import propose as draft_head_propose
 from vlmserve.engine.profile_step import profile_worst_step
 from vlmserve.engine.prompt_logprobs import finished_buffer
 from vlmserve.engine.request_state import CachedRequestState
 from vlmserve.engine.sampler import GrammarMask, Sampler, token_logprobs
+from vlmserve.engine.speculative import verify_drafts
 from vlmserve.engine.step_batch import StepBatch, attention_metadata, prepare
 from vlmserve.ipc.contracts import ModelRunnerOutput, SchedulerOutput
 from vlmserve.models.base import VLModel, place_multimodal
@@ -115,16 +117,20 @@ class ModelRunner:
         self._encode(step)
         if not step.num_scheduled_tokens:
             return ModelRunnerOutput()
+        draft_head = self.model.has_draft_head
         batch = prepare(
             step,
             self.requests,
             self.encoder_cache,
             self.block_size,
             self.model.decode_positions,
-            self.model.prunes_output_rows,
+            self.model.prunes_output_rows and not draft_head,  # the head reads every row
         )
         hidden = self.forward(batch, step)
-        return self.sample(batch, hidden, step)
+        out = self.sample(batch, hidden, step)
+        if draft_head:
+            draft_head_propose(self.model, batch, hidden, step, out, self.block_size, self.device)
+        return out
 
     def _update_requests(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_req_ids:
@@ -191,12 +197,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         rejected: list[CachedRequestState] = []
         row = 0
-        for state, drafts in zip(sampled, batch.drafts, strict=True):
-            mine = tokens[row : row + len(drafts) + 1]
-            accepted = 0
-            while accepted < len(drafts) and mine[accepted] == drafts[accepted]:
-                accepted += 1
-            kept = mine[: accepted + 1]
+        for state, drafts, kept in zip(sampled, batch.drafts, verify_drafts(tokens, batch.drafts), strict=True):
+            accepted = len(kept) - 1
             out.sampled_token_ids[state.request_id] = kept
             if info is not None and info[row] is not None:
                 out.logprobs[state.request_id] = [x for x in info[row : row + accepted + 1] if x is not None]

@@ -224,7 +224,14 @@ class Scheduler:
             prefix = [] if needs_rows else self.kv.find_cached_prefix(request)
             start = len(prefix) * self.kv.block_size
             n, encoder_tokens = self._fit_encoder(request, start, self._chunk(request, start, room), encoder_budget)
-            if n == 0 or not self.kv.allocate_slots(request.request_id, start + n, prefix):
+            if n == 0:
+                break
+            # A draft head drafts after the prompt's last chunk: KV slots past it, where they are.
+            ends_prompt = request.backoff is not None and start + n == request.num_tokens
+            lookahead = self.config.draft_lookahead if ends_prompt else 0
+            if lookahead and not self.kv.allocate_slots(request.request_id, start + n + lookahead, prefix):
+                lookahead = 0
+            if not lookahead and not self.kv.allocate_slots(request.request_id, start + n, prefix):
                 break
             out.copies_before_forward += self.kv.copies_on_admission(request, len(prefix))
             self.waiting.remove(request)
@@ -234,7 +241,7 @@ class Scheduler:
             self.running.append(request)
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED)
-            self._schedule(out, request, n)
+            self._schedule(out, request, n, lookahead=lookahead)
             budget -= n
             shares[request.owner] -= n
             encoder_budget -= encoder_tokens

@@ -187,6 +187,23 @@ class DraftBackoff:
             self.current = max(self.current, min(self.k, accepted + 1))
 
 
+def verify_drafts(samples: Sequence[int], drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """A step's samples, 1 + len(drafts[i]) rows for request i in order, each row sampled as if
+    the drafts before it were the request's tokens -> each request's tokens: the drafts while each
+    equals the sample of the row before it, then the first sample that differs (or the one after
+    the last draft). Each row's sample must be drawn on its own (its own uniform number): that is
+    what makes a kept draft and a replaced one come out with the target's probabilities."""
+    out, row = [], 0
+    for mine in drafts:
+        accepted = 0
+        while accepted < len(mine) and samples[row + accepted] == mine[accepted]:
+            accepted += 1
+        out.append(list(samples[row : row + accepted + 1]))
+        row += len(mine) + 1
+    assert row == len(samples), (row, len(samples))
+    return out
+
+
 @dataclass
 class SpeculativeStats:
     """Drafts verified and accepted (vLLM's spec_decode counters): the verifications (num_drafts),

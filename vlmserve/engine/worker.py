@@ -83,8 +83,16 @@ class Worker:
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
         workspace = max_model_len
         self.backend = backend or select_backend(device, config.attention_backend, decode_workspace_tokens=workspace)
+        draft_head = (config.speculative_config or {}).get("method") == "mtp"
         self.model = build_model(
-            family.model_class, model_config, model_dir, self.backend, device, self.dtype, config.quantization
+            family.model_class,
+            model_config,
+            model_dir,
+            self.backend,
+            device,
+            self.dtype,
+            config.quantization,
+            draft_head=draft_head,
         )
         self.runner = ModelRunner(self.model, device, self.dtype)
 
