@@ -251,3 +251,61 @@ def test_preempted_in_the_middle_of_verifications_the_tokens_are_greedys(tiny_di
     assert core.scheduler.num_preemptions > 0 and core.spec_stats.num_accepted_tokens > 0
     assert core.kv.pool.num_free == core.kv.pool.num_blocks
     speculative.shutdown()
+
+
+# -- Qwen3.5's MTP head --------------------------------------------------------------------------
+
+
+def test_mtp_drafts_are_the_published_heads_over_the_models_hidden_states(tiny35_dir: Path, hf35_model: Any) -> None:
+    """The head's drafts as the engine makes them step by step (its KV filled by prefill chunks,
+    decode steps and verifications, draft steps one position on, a rejected draft's state put
+    back) are a plain-torch transcription of the published head run over transformers' hidden
+    states of the same tokens, whole: the hidden state of each position beside the token after
+    it, then each draft beside the head's own output. The greedy tokens are those without
+    speculation, the drafts verified and counted."""
+    from tests.models.test_qwen3_5_mtp import checkpoint, reference_head
+    from vlmserve import LLM
+    from vlmserve.engine import model_runner
+
+    recorded: list[tuple[list[int], list[int]]] = []
+    real = model_runner.draft_head_propose
+
+    def record(model: Any, batch: Any, hidden: Any, step: Any, out: Any, *rest: Any) -> None:
+        real(model, batch, hidden, step, out, *rest)
+        for state in batch.sampled:
+            if state.request_id in out.draft_token_ids:
+                recorded.append((list(state.token_ids), out.draft_token_ids[state.request_id]))
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = "Describe the sea in twenty words or so, please, one word at a time."
+    small = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_gib": 0.01, "max_num_batched_tokens": 8}
+    plain = LLM(tiny35_dir, **small)
+    (expected,) = plain.generate([prompt], greedy)
+    plain.shutdown()
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    mtp = LLM(tiny35_dir, **small, speculative_config=spec)
+    model_runner.draft_head_propose = record
+    try:
+        (got,) = mtp.generate([prompt], greedy)
+    finally:
+        model_runner.draft_head_propose = real
+        mtp.shutdown()
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got.outputs[0].num_draft_tokens > 0
+    assert len(recorded) >= 4 and len(recorded[0][1]) == 3  # (fewer later: the backoff, as they fail)
+    weights, text = checkpoint(tiny35_dir)
+    lm_head = weights.get("lm_head.weight", weights["model.language_model.embed_tokens.weight"])  # tied
+    for tokens, drafts in recorded:
+        ids = torch.tensor(tokens)
+        n = len(tokens) - 1  # the hidden states of every token but the newest
+        with torch.no_grad():
+            hidden = hf35_model.model(input_ids=ids[None, :n]).last_hidden_state[0]
+        rows_ids, rows_hidden = ids[1:], hidden  # position i: hidden i beside token i + 1
+        want: list[int] = []
+        while len(want) < len(drafts):
+            positions = torch.arange(len(rows_ids)).expand(3, -1)
+            out = reference_head(weights, text, rows_ids, rows_hidden, positions)
+            want.append(int((out[-1] @ lm_head.T).argmax()))
+            rows_ids = torch.cat([rows_ids, torch.tensor(want[-1:])])  # the draft, beside the head's output
+            rows_hidden = torch.cat([rows_hidden, out[-1:]])
+        assert drafts == want, (len(tokens), drafts, want)
