@@ -178,6 +178,10 @@ class EngineCore:
             rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching, config.saved_state_slots
         )
         slot_bytes = sum(group.bytes for group in slot_groups)
+        if self.speculative is not None:
+            # A verification keeps each request's state from before it (put back when a draft is
+            # rejected): at most one per running request, for the step.
+            slot_bytes += config.max_num_seqs * rank.slot_bytes
         # The compiled grammars live in the engine core's host memory: on the CPU, where the KV
         # cache does too, the KV cache is sized after them (every rank's: they share the machine).
         grammars_in_budget = self.device.type == "cpu"
