@@ -2,8 +2,9 @@
 (bf16, AVX-512 kernels, reordered decoder weights, head_dim a multiple of 32), an engine gives the
 same tokens and the same log-probabilities bit for bit as one decoding layer by layer
 (VLMSERVE_FUSED_DECODE=0), over several sequences of different lengths, one with an image:
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL (its per-head q/k norms; DeepStack in the image's prefill);
-steps that are not pure decode steps, and Qwen3-VL-MoE, run layer by layer."""
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (its per-head q/k norms; DeepStack in the image's prefill); a
+verify step (a few tokens per sequence after cached ones) runs fused as decode rows, each row's
+bits a decode step's; other steps, and Qwen3-VL-MoE, run layer by layer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from PIL import Image
 
 from vlmserve import LLM, SamplingParams
+from vlmserve.bench.verify_cost import prefilled_requests, step_hidden
 from vlmserve.engine.banner import engine_summary
 from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
 from vlmserve.families.qwen3_vl import tiny as qwen3_tiny
@@ -124,6 +126,31 @@ def test_fused_decode_gives_the_layer_paths_bits(
     assert tokens == plain_tokens
     assert logprobs == plain_logprobs  # exact floats: the same hidden states bit for bit
     assert all(len(steps) == 20 for steps in logprobs)
+
+
+def test_a_verify_step_runs_fused_and_gives_each_row_its_decode_steps_bits(
+    checkpoint: Path, calls: list[tuple[int, bool]]
+) -> None:
+    """Three requests computing 5 tokens each after 40 cached (a speculative-decoding verify step:
+    15 decode rows, 3 sharing each block table) run in one fused call, and every row's hidden
+    state is bit for bit what decoding its tokens one step at a time gives (fused steps of 3
+    rows), and what the same verify step gives layer by layer."""
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=4, kv_cache_memory_gib=0.02,
+              enable_prefix_caching=False)  # fmt: skip
+    states = prefilled_requests(llm, 3, 40, 4, seed=1)
+    prompts = {s.request_id: list(s.token_ids) for s in states}
+    calls.clear()
+    verify = step_hidden(llm, states, prompts, 40, 5)
+    assert calls == [(15, True)]
+    one_by_one = torch.stack([step_hidden(llm, states, prompts, 40 + j, 1) for j in range(5)], dim=1)
+    assert calls[1:] == [(3, True)] * 5
+    assert torch.equal(verify, one_by_one.flatten(0, 1))
+    decoder = llm.llm_engine.model.model
+    decoder.fused_decode, fused = None, decoder.fused_decode
+    try:
+        assert torch.equal(step_hidden(llm, states, prompts, 40, 5), verify)
+    finally:
+        decoder.fused_decode = fused
 
 
 def test_a_head_dim_the_kernel_does_not_take_decodes_layer_by_layer(tiny_dir: Path) -> None:
