@@ -22,8 +22,8 @@ from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tin
 from vlmserve.families.qwen3_vl import tiny as qwen3_tiny
 from vlmserve.kernels import dispatch
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import PACKED_ROWS, prepack_available
-from vlmserve.models.fused_decode import FusedDecode
+from vlmserve.kernels.onednn import prepack_available
+from vlmserve.models.fused_decode import FUSED_ROWS, FusedDecode
 from vlmserve.models.quant.int4 import Int4Linear
 from vlmserve.tools.quantize_awq import quantize_checkpoint
 
@@ -171,12 +171,12 @@ def test_float32_decodes_layer_by_layer(checkpoint: Path) -> None:
 def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
     checkpoint: Path, calls: list[tuple[int, bool]]
 ) -> None:
-    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=40, kv_cache_memory_gib=0.02)
-    prompts = [f"Number {i}" for i in range(PACKED_ROWS + 1)]
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=80, kv_cache_memory_gib=0.04)
+    prompts = [f"Number {i}" for i in range(FUSED_ROWS + 1)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
-    assert (PACKED_ROWS + 1, False) in calls  # the decode steps of all 33: layer by layer
-    assert not any(fused for rows, fused in calls if rows > PACKED_ROWS)
+    assert (FUSED_ROWS + 1, False) in calls  # the decode steps of all 73: layer by layer
+    assert not any(fused for rows, fused in calls if rows > FUSED_ROWS)
 
 
 @pytest.mark.slow
