@@ -22,8 +22,9 @@ NOTE: on this AVX-512 BF16 machine a batch of 32+ decoding sequences ran faster 
 int8 with cpu_int8.c (torch's bf16 product is bound by bandwidth there, the int8 widening by
 compute on AVX2). So where the CPU has AVX-512 BF16 and the activations are bf16, the decode path
 is cpu_int8_avx512.c (int8 widened to bf16 once per weight tile, 32-wide bf16 dot products; its
-own .so, built with its own -m flags), up to KERNEL_MAX_ROWS_AVX512 rows. VLMSERVE_CPU_PATH (kernels/dispatch.py) forces a path here
-too: avx2 -> cpu_int8.c, avx512 -> cpu_int8_avx512.c, torch -> dequantize per call at every size.
+own .so, built with its own -m flags), up to KERNEL_MAX_ROWS_AVX512 rows. VLMSERVE_CPU_PATH
+(kernels/dispatch.py) forces a path here too: avx2 -> cpu_int8.c, avx512 -> cpu_int8_avx512.c,
+torch -> dequantize per call at every size.
 """
 
 from __future__ import annotations
