@@ -115,6 +115,13 @@ def recurrent_gated_delta_step(
     value_dim]; g, beta [b, num_v_heads]; state [b, num_v_heads, key_dim, value_dim] float32.
     Returns (out [b, num_v_heads, value_dim] float32, the new states)."""
     q, k = _prepare(q, k, v.shape[1])
+    return _delta_step(q, k, v, g, beta, state)
+
+
+def _delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_gated_delta_step on q and k _prepare made (one value head each)."""
     v, g, beta = v.float(), g.float(), beta.float()
     s = state.float() * g.exp()[..., None, None]  # a new tensor: the caller's state is not written
     # NOTE: the reads of S as batched matrix-vector products and the write in place: S (1 MB a
@@ -143,10 +150,13 @@ def recurrent_rows(
     slots: list[int],
     out: torch.Tensor,
 ) -> None:
-    """Sequences' new tokens one position at a time, token j of every sequence in one batched
-    step: the arithmetic of as many single-token decode steps (causal_conv1d_step, then
+    """Sequences' new tokens in the recurrent form, position j of every sequence in one batched
+    delta step: the arithmetic of as many single-token decode steps (causal_conv1d_step, then
     recurrent_gated_delta_step, the window stored in its pool's dtype between them), so a verify
-    step's rows equal decoding its tokens one by one.
+    step's rows equal decoding its tokens one by one. The conv reads inputs, not the state, so it
+    runs for every row at once (each row's window cut from its sequence's inputs, as the steps
+    would have stored them), and so do the q/k normalisations (row by row); only the delta steps
+    go position by position.
 
     mixed [num_tokens, conv_dim] (the conv's inputs); g, beta [num_tokens, num_v_heads]; weight
     [conv_dim, kernel]; heads: the conv's output -> q, k, v; windows, states: the pools [slots,
@@ -154,20 +164,35 @@ def recurrent_rows(
     i's rows [start, end) of the batch. Writes out [num_tokens, num_v_heads, value_dim] float32
     at the spans' rows."""
     index = torch.tensor(slots, dtype=torch.long, device=mixed.device)
-    window, state = windows[index], states[index]  # [b, conv_dim, kernel - 1], [b, heads, key, value]
-    for j in range(max(end - start for start, end in spans)):
-        live = [i for i, (start, end) in enumerate(spans) if start + j < end]
-        rows = torch.tensor([spans[i][0] + j for i in live], device=mixed.device)
-        if len(live) == len(spans):  # every sequence has a token j: no gathering
-            conv, window_new = causal_conv1d_step(mixed[rows], window, weight)
-            q, k, v = heads(conv)
-            out[rows], state = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], state)
-            window = window_new.to(windows.dtype)
-            continue
-        at = torch.tensor(live, device=mixed.device)
-        conv, window_new = causal_conv1d_step(mixed[rows], window[at], weight)
-        q, k, v = heads(conv)
-        out[rows], state[at] = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], state[at])
-        window[at] = window_new.to(windows.dtype)
-    windows.index_copy_(0, index, window)
+    b, taps = len(spans), weight.shape[-1] - 1
+    lengths = [end - start for start, end in spans]
+    longest = max(lengths)
+    # Each sequence's window, then its inputs as single steps store them (in the weight's dtype,
+    # then the pool's), padded to the longest: [b, conv_dim, kernel - 1 + longest].
+    full = torch.zeros(b, windows.shape[1], taps + longest, dtype=windows.dtype, device=mixed.device)
+    full[..., :taps] = windows[index]
+    for i, (start, end) in enumerate(spans):
+        full[i, :, taps : taps + end - start] = mixed[start:end].t().to(weight.dtype)
+    # Rows position-major: token j of every sequence that has one, for j = 0, 1, ...
+    order = [(i, j) for j in range(longest) for i in range(b) if j < lengths[i]]
+    rows = torch.tensor([spans[i][0] + j for i, j in order], device=mixed.device)
+    seqs = torch.tensor([i for i, _ in order], device=mixed.device)
+    positions = torch.tensor([j for _, j in order], device=mixed.device)
+    row_windows = full.unfold(-1, taps, 1)[seqs, :, positions]  # [rows, conv_dim, kernel - 1]
+    conv, _ = causal_conv1d_step(mixed[rows], row_windows, weight)
+    q, k, v = heads(conv)
+    q, k = _prepare(q, k, v.shape[1])
+    g, beta = g[rows], beta[rows]
+    state = states[index]  # [b, heads, key, value]
+    first = 0
+    for j in range(longest):
+        live = [i for i in range(b) if j < lengths[i]]
+        at = slice(first, first + len(live))
+        first += len(live)
+        if len(live) == b:  # every sequence has a token j: no gathering
+            out[rows[at]], state = _delta_step(q[at], k[at], v[at], g[at], beta[at], state)
+        else:
+            some = torch.tensor(live, device=mixed.device)
+            out[rows[at]], state[some] = _delta_step(q[at], k[at], v[at], g[at], beta[at], state[some])
+    windows.index_copy_(0, index, torch.stack([full[i, :, n : n + taps] for i, n in enumerate(lengths)]))
     states.index_copy_(0, index, state)
