@@ -18,8 +18,10 @@ from PIL import Image
 from vlmserve import LLM, SamplingParams
 from vlmserve.bench.verify_cost import prefilled_requests, step_hidden
 from vlmserve.engine.banner import engine_summary
+from vlmserve.engine.step_batch import prepare
 from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
 from vlmserve.families.qwen3_vl import tiny as qwen3_tiny
+from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.kernels import dispatch
 from vlmserve.kernels.dispatch import avx512_kernels
 from vlmserve.kernels.onednn import prepack_available
@@ -134,7 +136,7 @@ def test_a_verify_step_runs_fused_and_gives_each_row_its_decode_steps_bits(
     """Three requests computing 5 tokens each after 40 cached (a speculative-decoding verify step:
     15 decode rows, 3 sharing each block table) run in one fused call, and every row's hidden
     state is bit for bit what decoding its tokens one step at a time gives (fused steps of 3
-    rows), and what the same verify step gives layer by layer."""
+    rows), and what the same verify step gives layer by layer; pruned to the sampled rows, those."""
     llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=4, kv_cache_memory_gib=0.02,
               enable_prefix_caching=False)  # fmt: skip
     states = prefilled_requests(llm, 3, 40, 4, seed=1)
@@ -145,6 +147,17 @@ def test_a_verify_step_runs_fused_and_gives_each_row_its_decode_steps_bits(
     one_by_one = torch.stack([step_hidden(llm, states, prompts, 40 + j, 1) for j in range(5)], dim=1)
     assert calls[1:] == [(3, True)] * 5
     assert torch.equal(verify, one_by_one.flatten(0, 1))
+    # The step as the engine prepares it today, pruned to each request's last row (sampled): fused,
+    # those rows' bits.
+    engine = llm.llm_engine
+    runner, model = engine.runner, engine.model
+    step_hidden(llm, states, prompts, 40, 5)
+    step = SchedulerOutput(num_scheduled_tokens={s.request_id: 5 for s in states})
+    batch = prepare(step, runner.requests, runner.encoder_cache, runner.block_size, model.decode_positions, True)
+    assert batch.output_rows == [4, 9, 14]
+    calls.clear()
+    assert torch.equal(runner.forward(batch, step), verify[[4, 9, 14]])
+    assert calls == [(15, True)]
     decoder = llm.llm_engine.model.model
     decoder.fused_decode, fused = None, decoder.fused_decode
     try:
