@@ -2,7 +2,8 @@
 entry for everything it can: its config parsed as transformers reads it, its processor's token
 ids, pixels and positions as transformers makes them, float32 logits (whole prompts, and chunks
 ending inside images, then decode steps) and greedy tokens (batched with a small token budget,
-alone, and again from the prefix cache) as its reference gives them, one request through a real
+alone, and again from the prefix cache) as its reference gives them, a verify step's logits as
+decoding its tokens one by one gives them, one request through a real
 server, Qwen's list-of-dicts input with shared-memory handles in the token ids, tensor
 parallelism where the family shards, its grounding convention, and a tiny checkpoint of its own
 writing that loads whole. A family exempt from a check says why (conftest.py's EXEMPTIONS).
@@ -215,6 +216,19 @@ def test_logits_match_the_reference_float32(
     assert ours.shape == expected.shape == (n + len(extra), frontend.model_config.text.vocab_size)
     atol, rtol = reference.tolerance
     torch.testing.assert_close(ours, expected, atol=atol, rtol=rtol)
+
+
+def test_a_verify_step_gives_the_logits_of_its_tokens_decoded_one_by_one(
+    frontend: Any, harness: Harness, pictures: dict[str, Path]
+) -> None:
+    """Speculative decoding's verify step: the last 5 tokens of a prompt with two images, computed
+    in one step after the rest is cached (they run as decode rows, each over its own prefix, at its
+    own M-RoPE positions), give in float32 the logits of the same tokens computed one step each."""
+    _, prompt, _ = process(frontend, two_images(pictures))
+    n = prompt.num_tokens
+    verify = harness.logits(prompt, chunks=[n - 5, 5])[n - 5 :]
+    one_by_one = harness.logits(prompt, chunks=[n - 5, 1, 1, 1, 1, 1])[n - 5 :]
+    torch.testing.assert_close(verify, one_by_one, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.against_reference

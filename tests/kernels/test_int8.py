@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from tests.kernels.guard import before_guard_page
 from tests.kernels.test_cpu import CANNOT_BUILD
 from vlmserve.kernels import cpu, int8
-from vlmserve.kernels.int8 import KERNEL_MAX_ROWS, Int8Kernel, dequantize_int8, int8_linear, load_int8_kernel
+from vlmserve.kernels.int8 import (
+    KERNEL_MAX_ROWS,
+    KERNEL_MAX_ROWS_AVX512,
+    Int8Kernel,
+    dequantize_int8,
+    int8_linear,
+    load_int8_kernel,
+)
 
 kernel = load_int8_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"no compiled int8 kernel: {CANNOT_BUILD or 'build failed'}")
@@ -147,11 +154,13 @@ def test_int8_linear_takes_avx512_for_bf16_and_avx2_for_fp32_activations() -> No
     x, q, scale, bias = _case(3, 21, 48)
     int8_linear(x.bfloat16(), q, scale, bias.bfloat16(), fake)
     int8_linear(x, q, scale, bias, fake)
-    int8_linear(torch.randn(KERNEL_MAX_ROWS + 1, 48).bfloat16(), q, scale, None, fake)  # prefill: dequantized
-    assert calls == [("avx512", torch.bfloat16), ("avx2", torch.float32)]
+    int8_linear(torch.randn(72, 48).bfloat16(), q, scale, None, fake)  # a verify step of 8 x 9 rows
+    int8_linear(torch.randn(KERNEL_MAX_ROWS_AVX512 + 1, 48).bfloat16(), q, scale, None, fake)  # prefill: dequantized
+    int8_linear(torch.randn(KERNEL_MAX_ROWS + 1, 48), q, scale, None, fake)  # past the AVX2 kernel's rows: dequantized
+    assert calls == [("avx512", torch.bfloat16), ("avx2", torch.float32), ("avx512", torch.bfloat16)]
     fake.decode = False  # VLMSERVE_CPU_PATH=torch
     int8_linear(x.bfloat16(), q, scale, None, fake)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @pytest.fixture

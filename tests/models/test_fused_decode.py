@@ -2,8 +2,9 @@
 (bf16, AVX-512 kernels, reordered decoder weights, head_dim a multiple of 32), an engine gives the
 same tokens and the same log-probabilities bit for bit as one decoding layer by layer
 (VLMSERVE_FUSED_DECODE=0), over several sequences of different lengths, one with an image:
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL (its per-head q/k norms; DeepStack in the image's prefill);
-steps that are not pure decode steps, and Qwen3-VL-MoE, run layer by layer."""
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (its per-head q/k norms; DeepStack in the image's prefill); a
+verify step (a few tokens per sequence after cached ones) runs fused as decode rows, each row's
+bits a decode step's; other steps, and Qwen3-VL-MoE, run layer by layer."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ import torch
 from PIL import Image
 
 from vlmserve import LLM, SamplingParams
+from vlmserve.bench.verify_cost import prefilled_requests, step_hidden
 from vlmserve.engine.banner import engine_summary
+from vlmserve.engine.step_batch import prepare
 from vlmserve.families.qwen2_vl.tiny import QWEN2_5_VL_SPEC, TinySpec, write_tiny_qwen2_vl
 from vlmserve.families.qwen3_vl import tiny as qwen3_tiny
+from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.kernels import dispatch
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import PACKED_ROWS, prepack_available
-from vlmserve.models.fused_decode import FusedDecode
+from vlmserve.kernels.onednn import prepack_available
+from vlmserve.models.fused_decode import FUSED_ROWS, FusedDecode
 from vlmserve.models.quant.int4 import Int4Linear
 from vlmserve.tools.quantize_awq import quantize_checkpoint
 
@@ -126,6 +130,42 @@ def test_fused_decode_gives_the_layer_paths_bits(
     assert all(len(steps) == 20 for steps in logprobs)
 
 
+def test_a_verify_step_runs_fused_and_gives_each_row_its_decode_steps_bits(
+    checkpoint: Path, calls: list[tuple[int, bool]]
+) -> None:
+    """Three requests computing 5 tokens each after 40 cached (a speculative-decoding verify step:
+    15 decode rows, 3 sharing each block table) run in one fused call, and every row's hidden
+    state is bit for bit what decoding its tokens one step at a time gives (fused steps of 3
+    rows), and what the same verify step gives layer by layer; pruned to the sampled rows, those."""
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=4, kv_cache_memory_gib=0.02,
+              enable_prefix_caching=False)  # fmt: skip
+    states = prefilled_requests(llm, 3, 40, 4, seed=1)
+    prompts = {s.request_id: list(s.token_ids) for s in states}
+    calls.clear()
+    verify = step_hidden(llm, states, prompts, 40, 5)
+    assert calls == [(15, True)]
+    one_by_one = torch.stack([step_hidden(llm, states, prompts, 40 + j, 1) for j in range(5)], dim=1)
+    assert calls[1:] == [(3, True)] * 5
+    assert torch.equal(verify, one_by_one.flatten(0, 1))
+    # The step as the engine prepares it today, pruned to each request's last row (sampled): fused,
+    # those rows' bits.
+    engine = llm.llm_engine
+    runner, model = engine.runner, engine.model
+    step_hidden(llm, states, prompts, 40, 5)
+    step = SchedulerOutput(num_scheduled_tokens={s.request_id: 5 for s in states})
+    batch = prepare(step, runner.requests, runner.encoder_cache, runner.block_size, model.decode_positions, True)
+    assert batch.output_rows == [4, 9, 14]
+    calls.clear()
+    assert torch.equal(runner.forward(batch, step), verify[[4, 9, 14]])
+    assert calls == [(15, True)]
+    decoder = llm.llm_engine.model.model
+    decoder.fused_decode, fused = None, decoder.fused_decode
+    try:
+        assert torch.equal(step_hidden(llm, states, prompts, 40, 5), verify)
+    finally:
+        decoder.fused_decode = fused
+
+
 def test_a_head_dim_the_kernel_does_not_take_decodes_layer_by_layer(tiny_dir: Path) -> None:
     llm = LLM(tiny_dir, dtype="bfloat16", max_model_len=512, kv_cache_memory_gib=0.01)
     assert llm.llm_engine.model.model.fused_decode is None  # head_dim 16
@@ -144,12 +184,12 @@ def test_float32_decodes_layer_by_layer(checkpoint: Path) -> None:
 def test_more_sequences_than_the_kernel_takes_decode_layer_by_layer(
     checkpoint: Path, calls: list[tuple[int, bool]]
 ) -> None:
-    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=40, kv_cache_memory_gib=0.02)
-    prompts = [f"Number {i}" for i in range(PACKED_ROWS + 1)]
+    llm = LLM(checkpoint, dtype="bfloat16", max_model_len=256, max_num_seqs=80, kv_cache_memory_gib=0.04)
+    prompts = [f"Number {i}" for i in range(FUSED_ROWS + 1)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
-    assert (PACKED_ROWS + 1, False) in calls  # the decode steps of all 33: layer by layer
-    assert not any(fused for rows, fused in calls if rows > PACKED_ROWS)
+    assert (FUSED_ROWS + 1, False) in calls  # the decode steps of all 73: layer by layer
+    assert not any(fused for rows, fused in calls if rows > FUSED_ROWS)
 
 
 @pytest.mark.slow

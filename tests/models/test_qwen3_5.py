@@ -191,6 +191,43 @@ def test_causal_conv_carries_its_window_across_chunks_and_steps() -> None:
     assert (torch.cat([first, second, *steps]) - ref).abs().max().item() < 1e-6
 
 
+def test_recurrent_rows_give_what_single_token_steps_give_one_by_one() -> None:
+    """Three sequences of 3, 1 and 5 new tokens (a verify step's rows beside a decode) from their
+    slots' windows and states, token j of each batched: every output row, window and state is what
+    the single-token steps (conv step, then delta step) give, run token by token, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv, kernel = 2, 4, 16, 8, 4
+    channels = 2 * hk * dk + hv * dv
+    lengths, slots = [3, 1, 5], [2, 0, 3]
+    n = sum(lengths)
+    mixed = torch.randn(n, channels, generator=g).bfloat16()
+    decay, beta = -torch.rand(n, hv, generator=g), torch.rand(n, hv, generator=g)
+    weight = torch.randn(channels, kernel, generator=g).bfloat16()
+    windows = torch.randn(4, channels, kernel - 1, generator=g).bfloat16()
+    states = torch.randn(4, hv, dk, dv, generator=g)
+
+    def heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        return q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv)
+
+    spans = [(0, 3), (3, 4), (4, 9)]
+    expected_windows, expected_states = windows.clone(), states.clone()
+    expected = torch.empty(n, hv, dv)
+    for (start, end), slot in zip(spans, slots, strict=True):
+        for t in range(start, end):
+            conv, window = deltanet.causal_conv1d_step(mixed[t][None], expected_windows[slot][None], weight)
+            q, k, v = heads(conv)
+            out, state = deltanet.recurrent_gated_delta_step(
+                q, k, v, decay[t][None], beta[t][None], expected_states[slot][None]
+            )
+            expected[t], expected_windows[slot], expected_states[slot] = out[0], window[0], state[0]
+    out = torch.empty(n, hv, dv)
+    deltanet.recurrent_rows(mixed, decay, beta, weight, heads, windows, states, spans, slots, out)
+    assert torch.equal(out, expected)
+    # (slot 1, no sequence's, is left as it was: the expected pools' copy of it is untouched too)
+    assert torch.equal(windows, expected_windows) and torch.equal(states, expected_states)
+
+
 # -- greedy through the engine (batched and alone: the families' conformance suite) --------------
 
 

@@ -7,6 +7,21 @@ from functools import cached_property
 
 import torch
 
+# A sequence computing up to this many new tokens after tokens already in the KV cache (a
+# speculative-decoding verify step's k + 1) runs them as decode rows: one per token, each with
+# the sequence's block table and its own length (row j of n sees seq_len - n + 1 + j tokens).
+# Every token's K and V are written before any row attends (both CPU paths write the step's K/V
+# first), so row j reads what a decode step of that token alone would, and gets its result.
+MAX_DECODE_ROWS_PER_SEQ = 16
+
+
+def decode_row_lens(q_len: int, seq_len: int) -> list[int] | None:
+    """The lengths each of a sequence's q_len new tokens attends over as decode rows; None where
+    they run as a chunk (no token cached before them, or more than MAX_DECODE_ROWS_PER_SEQ)."""
+    if not 0 < q_len <= MAX_DECODE_ROWS_PER_SEQ or seq_len <= q_len:
+        return None
+    return list(range(seq_len - q_len + 1, seq_len + 1))
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -40,6 +55,17 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    def decode_row_lens(self) -> list[int] | None:
+        """Every token's length as a decode row (see decode_row_lens) where every sequence's
+        tokens run as decode rows; None otherwise."""
+        lens: list[int] = []
+        for i, seq_len in enumerate(self.seq_lens_host):
+            rows = decode_row_lens(self.query_start_loc[i + 1] - self.query_start_loc[i], seq_len)
+            if rows is None:
+                return None
+            lens += rows
+        return lens
 
     @cached_property
     def query_start_loc_tensor(self) -> torch.Tensor:

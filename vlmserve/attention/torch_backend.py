@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.attention.metadata import AttentionMetadata, decode_row_lens
 
 # (q [num_seqs, heads, dim], kv_cache, block_tables, seq_lens, scale) -> out, or None if it declines
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
@@ -54,41 +54,49 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over all of its tokens."""
+        """Causal attention of each sequence's new tokens over all of its tokens. A sequence's few
+        tokens after cached ones (a decode step's one, a verify step's k + 1) run as decode rows
+        (attention/metadata.py: decode_row_lens), all of the step's in one kernel call."""
         write_kv(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        decode_rows: list[int] = []
+        decode_tokens: list[int] = []  # the rows of q that attend as decode rows, ascending
+        decode_seqs: list[int] = []  # each one's sequence
+        decode_lens: list[int] = []  # and the tokens it sees
         for i in range(meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             q_len, seq_len = end - start, meta.seq_lens_host[i]
-            if q_len == 1 and seq_len > 1:
-                decode_rows.append(i)
+            row_lens = decode_row_lens(q_len, seq_len)
+            if row_lens is not None:
+                decode_tokens += range(start, end)
+                decode_seqs += [i] * q_len
+                decode_lens += row_lens
                 continue
             if q_len == seq_len:  # the whole sequence is new: attend to the fresh K/V directly
                 keys, values = k[start:end], v[start:end]
             else:
                 keys, values = self._gather(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
             out[start:end] = self._attend(q[start:end], keys, values, scale, causal_offset=seq_len - q_len)
-        if decode_rows and self.decode_kernel is not None:
-            if len(decode_rows) == q.shape[0]:
+        every_token = len(decode_tokens) == q.shape[0]
+        if decode_tokens and self.decode_kernel is not None:
+            if every_token and meta.num_seqs == q.shape[0]:
                 # A decode step: every token is its sequence's one new token, in order; no gathering.
-                token_index, rows_q, tables, lens = None, q, meta.block_tables, meta.seq_lens
+                rows_q, tables, lens = q, meta.block_tables, meta.seq_lens
             else:
-                token_index = torch.tensor([meta.query_start_loc[i] for i in decode_rows], device=q.device)
-                rows_q, tables, lens = q[token_index], meta.block_tables[decode_rows], meta.seq_lens[decode_rows]
+                rows_q = q if every_token else q[torch.tensor(decode_tokens, device=q.device)]
+                tables = meta.block_tables[torch.tensor(decode_seqs, device=q.device)]
+                lens = torch.tensor(decode_lens, dtype=torch.long, device=q.device)
             decoded = self.decode_kernel(rows_q, kv_cache, tables, lens, scale)
             if decoded is not None:
-                if token_index is None:
+                if every_token:
                     return decoded
-                out[token_index] = decoded
+                out[torch.tensor(decode_tokens, device=q.device)] = decoded
                 return out
-        # Longest first, so each group is padded to its own first (longest) sequence.
-        decode_rows.sort(key=lambda i: -meta.seq_lens_host[i])
-        while decode_rows:
-            longest = meta.seq_lens_host[decode_rows[0]]
-            take = max(1, self.decode_workspace_tokens // longest)
-            self._batched_decode(q, kv_cache, meta, decode_rows[:take], scale, out)
-            decode_rows = decode_rows[take:]
+        # Longest first, so each group is padded to its own first (longest) row.
+        rows = sorted(zip(decode_tokens, decode_seqs, decode_lens, strict=True), key=lambda r: -r[2])
+        while rows:
+            take = max(1, self.decode_workspace_tokens // rows[0][2])
+            self._batched_decode(q, kv_cache, meta, rows[:take], scale, out)
+            rows = rows[take:]
         return out
 
     @staticmethod
@@ -141,17 +149,17 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rows: list[int],
+        rows: list[tuple[int, int, int]],
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """One query token per sequence: gather every sequence's KV padded to the longest and run
-        a single masked attention."""
-        token_index = torch.tensor([meta.query_start_loc[i] for i in rows], device=q.device)
-        seq_lens = meta.seq_lens[rows]
-        max_len = max(meta.seq_lens_host[i] for i in rows)
+        """Decode rows, (token, its sequence, the tokens it sees) each: gather every row's KV
+        padded to the longest and run a single masked attention."""
+        token_index = torch.tensor([t for t, _, _ in rows], device=q.device)
+        seq_lens = torch.tensor([n for _, _, n in rows], device=q.device)
+        max_len = max(n for _, _, n in rows)
         num_blocks = -(-max_len // meta.block_size)
-        blocks = meta.block_tables[rows, :num_blocks]  # [b, nb]
+        blocks = meta.block_tables[[i for _, i, _ in rows], :num_blocks]  # [b, nb]
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         b = len(rows)
         keys = kv_cache[0, blocks].reshape(b, -1, num_kv_heads, head_dim)[:, :max_len]

@@ -13,6 +13,7 @@ import torch
 from vlmserve.engine.core import EngineCore
 from vlmserve.kernels.dispatch import describe_linear_op
 from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
+from vlmserve.models.fused_decode import FUSED_ROWS
 from vlmserve.models.layers import bound_linear_op
 from vlmserve.models.prepack import prepacked_layers
 
@@ -78,7 +79,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
                 if decoder
                 else []
             )
-            + ([f"decode steps of up to {PACKED_ROWS} sequences: the whole decoder in one call"] if fused else [])
+            + ([f"decode and verify steps of up to {FUSED_ROWS} rows: the whole decoder in one call"] if fused else [])
             + ([f"vision tower: oneDNN, {packed} layers' weights prepacked"] if packed else [])
         )
         or "none",

@@ -22,8 +22,9 @@ NOTE: on this AVX-512 BF16 machine a batch of 32+ decoding sequences ran faster 
 int8 with cpu_int8.c (torch's bf16 product is bound by bandwidth there, the int8 widening by
 compute on AVX2). So where the CPU has AVX-512 BF16 and the activations are bf16, the decode path
 is cpu_int8_avx512.c (int8 widened to bf16 once per weight tile, 32-wide bf16 dot products; its
-own .so, built with its own -m flags). VLMSERVE_CPU_PATH (kernels/dispatch.py) forces a path here
-too: avx2 -> cpu_int8.c, avx512 -> cpu_int8_avx512.c, torch -> dequantize per call at every size.
+own .so, built with its own -m flags), up to KERNEL_MAX_ROWS_AVX512 rows. VLMSERVE_CPU_PATH
+(kernels/dispatch.py) forces a path here too: avx2 -> cpu_int8.c, avx512 -> cpu_int8_avx512.c,
+torch -> dequantize per call at every size.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ AVX512_SOURCE = Path(__file__).with_name("cpu_int8_avx512.c")
 # Up to this many rows the weights' bytes bound the product (decode of a batch); above, compute
 # does and torch's GEMM on dequantized weights is faster.
 KERNEL_MAX_ROWS = 64
+# The AVX-512 BF16 kernel's limit: a verify step of 8 sequences x 9 rows is 72, and the kernel was
+# still ahead of dequantizing for torch's product there (Zen 4, 2 threads, best of 5: [17920, 1536]
+# 14.8 against 48.1 ms at 72 rows, 20.7 against 50.6 at 96).
+KERNEL_MAX_ROWS_AVX512 = 96
 # Output channels dequantized at once on the GEMM path.
 DEQUANT_ROWS = 4096
 
@@ -132,8 +137,12 @@ class Int8Kernel:
     def describe(self) -> str:
         if not self.decode:
             return "dequantize per call (VLMSERVE_CPU_PATH=torch)"
-        kernel = "cpu_int8_avx512.c (AVX-512 BF16) for bf16 activations" if self.avx512 else "cpu_int8.c (AVX2)"
-        return f"vlmserve CPU int8 kernel up to {KERNEL_MAX_ROWS} rows: {kernel}"
+        if self.avx512:
+            return (
+                f"vlmserve CPU int8 kernel: cpu_int8_avx512.c (AVX-512 BF16) for bf16 activations up to "
+                f"{KERNEL_MAX_ROWS_AVX512} rows, else cpu_int8.c (AVX2) up to {KERNEL_MAX_ROWS}"
+            )
+        return f"vlmserve CPU int8 kernel up to {KERNEL_MAX_ROWS} rows: cpu_int8.c (AVX2)"
 
     def dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] int8, [N] fp32 -> [N, K] fp32 or bf16 (rounded to nearest even once)."""
@@ -188,7 +197,9 @@ def int8_linear(
     k = x.shape[-1]
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)
-    if kernel is not None and kernel.decode and x.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
+    fast = kernel is not None and kernel.avx512 is not None and x2.dtype == torch.bfloat16
+    max_rows = KERNEL_MAX_ROWS_AVX512 if fast else KERNEL_MAX_ROWS
+    if kernel is not None and kernel.decode and x.device.type == "cpu" and x2.shape[0] <= max_rows:
         b = None if bias is None else bias.float()
         if kernel.avx512 is not None and x2.dtype == torch.bfloat16:
             out = kernel.avx512.linear(x2, qweight, scales, b, out_dtype=torch.bfloat16)

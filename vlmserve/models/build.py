@@ -16,6 +16,7 @@ from vlmserve.kernels import select_linear_op
 from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
 from vlmserve.model_files import count_weights, iterate_weights, weight_names
 from vlmserve.models.base import VLModel
+from vlmserve.models.fused_decode import FUSED_ROWS
 from vlmserve.models.huge_pages import move_to_huge_pages
 from vlmserve.models.layers import bind_linear_op, linear_shapes
 from vlmserve.models.prepack import packable_decoder_layers, prepack_linear_layers, prepacks_vision
@@ -140,7 +141,7 @@ def build_model(
         # are in their final layout.
         hooks = [getattr(m, "enable_fused_decode", None) for m in model.modules()]
         if any([hook() for hook in hooks if callable(hook)]):
-            logger.info("decoder: each decode step of up to %d sequences in one vlmserve AVX-512 call", PACKED_ROWS)
+            logger.info("decoder: decode and verify steps of up to %d rows in one vlmserve AVX-512 call", FUSED_ROWS)
     model.eval()
     model.requires_grad_(False)
     return model

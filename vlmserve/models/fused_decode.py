@@ -16,13 +16,15 @@ no other CPU path forced, tensor_parallel_size 1, every decoder product on reord
 (models/prepack.py), int8 ones (quantization="int8", the AVX-512 int8 kernel) or 4-bit ones (AWQ and
 GPTQ checkpoints kept packed, the AVX-512 int4 kernel), the attention
 backend's CPU decode kernel in use, a head_dim the AVX-512 decode attention takes. Per step:
-every sequence decoding one token (a pure decode step, no pruned output rows, no DeepStack
-features), at most PACKED_ROWS of them; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0
+every token a decode row (a decode step: one token per sequence; a verify step: a few tokens
+per sequence after cached ones, attention/metadata.py's decode_row_lens), at most FUSED_ROWS
+rows, no DeepStack features; any other step runs layer by layer. VLMSERVE_FUSED_DECODE=0
 keeps every step layer by layer.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Any
@@ -34,12 +36,22 @@ from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.distributed import tp_size
 from vlmserve.kernels.cpu import Avx512Kernels
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import ADDRESS_ATTR, PACKED_ROWS, packed_linear
+from vlmserve.kernels.onednn import ADDRESS_ATTR, packed_linear
 from vlmserve.models.layers import Linear
 from vlmserve.models.quant.int4 import Int4Linear
 from vlmserve.models.quant.int8 import Int8Linear
 
 logger = logging.getLogger(__name__)
+
+# The most rows a fused step takes: a verify step of 8 sequences with 8 drafted tokens each. Its
+# products run vlm_linear_packed_avx512's loops at any row count; from 33 rows the layer-by-layer
+# path runs oneDNN's product instead (kernels/onednn.py: PACKED_ROWS), about as fast at 40-72 rows
+# on the Zen 4 machine of docs/benchmarks.md, but with ~16 ms of a step between the products:
+# fused, the 2B's verify step of 8 sequences x 5 or 9 rows took 0.83-0.85 of the layer-by-layer
+# one there (4 alternating rounds, under load).
+# NOTE: so from 33 rows the two paths' sums run in different orders: the fused step's rows are
+# each a decode step's bits (rows are independent in its kernels), not the layer path's.
+FUSED_ROWS = 72
 
 
 def _packed_address(linear: nn.Module) -> int | None:
@@ -137,19 +149,26 @@ class FusedDecode:
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """The final norm's output [M, H] for a pure decode step of M <= PACKED_ROWS sequences;
-        None for any other step (the caller runs it layer by layer)."""
+        """The final norm's output [M, H] (the rows of meta.output_rows where set) for a step of
+        M <= FUSED_ROWS tokens that all run as decode rows (a decode step, or a verify step's
+        k + 1 tokens per sequence: attention/metadata.py); None for any other step (the caller
+        runs it layer by layer)."""
         m = x.shape[0]
-        if (
-            not 0 < m <= PACKED_ROWS
-            or meta.output_rows is not None
-            or meta.num_seqs != m
-            or meta.query_start_loc[-1] != m
-            or min(meta.seq_lens_host) < 2
-            or x.dtype != torch.bfloat16
-            or cos.dtype != torch.bfloat16
-        ):
+        if not 0 < m <= FUSED_ROWS or x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16:
             return None
+        if meta.num_seqs == m:  # a decode step: the sequences' own block tables and lengths
+            if meta.query_start_loc[-1] != m or min(meta.seq_lens_host) < 2:
+                return None
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            # NOTE: the kernel writes every row's K/V in a layer before any row attends, so row j
+            # of a sequence sees its k + 1 tokens' first j + 1 as a decode step of them would.
+            lens = meta.decode_row_lens()
+            if lens is None:
+                return None
+            q_lens = torch.tensor([b - a for a, b in itertools.pairwise(meta.query_start_loc)])
+            tables = meta.block_tables.repeat_interleave(q_lens.to(meta.block_tables.device), dim=0)
+            seq_lens = torch.tensor(lens, dtype=torch.int64)
         table = self._addresses()
         if table is None:
             return None
@@ -160,8 +179,8 @@ class FusedDecode:
             cos.contiguous(),
             sin.contiguous(),
             meta.slot_mapping.to(torch.int64).contiguous(),
-            meta.block_tables.to(torch.int64).contiguous(),
-            meta.seq_lens.to(torch.int64).contiguous(),
+            tables.to(torch.int64).contiguous(),
+            seq_lens.to(torch.int64).contiguous(),
             tuple(self._caches[0].shape),
             self.num_heads,
             self.intermediate_size,
@@ -171,7 +190,10 @@ class FusedDecode:
         if out is None:
             logger.warning("the fused decode kernel declined this model's shapes; decoding layer by layer")
             self.model.fused_decode = None
-        return out
+            return None
+        # Rows are independent through every kernel: the kept rows' bits are those the layer by
+        # layer path computes for them alone in the last layer.
+        return out if meta.output_rows is None else out[meta.output_rows]
 
     def _addresses(self) -> torch.Tensor | None:
         bound = [layer.self_attn.attn.kv_cache for layer in self.layers]

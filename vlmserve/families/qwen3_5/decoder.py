@@ -19,10 +19,10 @@ from vlmserve.config import TextConfig
 from vlmserve.families.common.decoder import MRotaryEmbedding, QwenMLP
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
 from vlmserve.families.qwen3_5.deltanet import (
+    MAX_RECURRENT_ROWS,
     causal_conv1d,
-    causal_conv1d_step,
     chunk_gated_delta_rule,
-    recurrent_gated_delta_step,
+    recurrent_rows,
 )
 from vlmserve.families.qwen3_vl.config import MoeConfig
 from vlmserve.families.qwen3_vl.decoder import Qwen3MoeBlock
@@ -104,20 +104,20 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
         out = torch.empty(x.shape[0], f.num_v_heads, f.value_head_dim, dtype=torch.float32, device=x.device)
         loc = meta.query_start_loc
-        decode = [i for i in range(meta.num_seqs) if loc[i + 1] - loc[i] == 1]
-        if decode:
-            # Single-token steps of any number of sequences at once, states updated in place.
-            rows = torch.tensor([loc[i] for i in decode], device=x.device)
-            slots = meta.state_slots[rows.new_tensor(decode)]
-            conv, windows_new = causal_conv1d_step(mixed[rows], windows[slots], weight)
-            q, k, v = self._heads(conv)
-            out[rows], states_new = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows], states[slots])
-            windows.index_copy_(0, slots, windows_new.to(windows.dtype))
-            states.index_copy_(0, slots, states_new)
-        for i in range(meta.num_seqs):
+        # A decode step's one token, and a few that continue a state (a verify step's k + 1), in
+        # the recurrent form, all sequences at once; longer runs and first chunks in the chunked form.
+        recurrent = [
+            i
+            for i in range(meta.num_seqs)
+            if loc[i + 1] - loc[i] == 1 or (loc[i + 1] - loc[i] <= MAX_RECURRENT_ROWS and meta.has_initial_state[i])
+        ]
+        if recurrent:
+            spans = [(loc[i], loc[i + 1]) for i in recurrent]
+            slots = [meta.state_slots_host[i] for i in recurrent]
+            recurrent_rows(mixed, g, beta, weight, self._heads, windows, states, spans, slots, out)
+        chunked = sorted(set(range(meta.num_seqs)) - set(recurrent))
+        for i in chunked:
             start, end = loc[i], loc[i + 1]
-            if end - start == 1:
-                continue
             slot = meta.state_slots_host[i]
             conv, window = causal_conv1d(mixed[start:end], windows[slot], weight)
             q, k, v = self._heads(conv)

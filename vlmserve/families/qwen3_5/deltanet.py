@@ -6,10 +6,13 @@ q @ S and updated by each token as
 
 (decay, then a delta-rule write: only what S does not already predict for k is written). Prefill
 runs the chunked form (the same sum, reorganised into matmuls over chunks of 64 tokens, exact in
-real arithmetic); decode runs the recurrent form one token at a time, batched over sequences.
-Both start from a given state and return the final one, so a prompt may arrive in any chunks."""
+real arithmetic); decode runs the recurrent form one token at a time, batched over sequences, and
+so do a few tokens that continue a state (a verify step's k + 1: recurrent_rows). Both start from
+a given state and return the final one, so a prompt may arrive in any chunks."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +115,84 @@ def recurrent_gated_delta_step(
     value_dim]; g, beta [b, num_v_heads]; state [b, num_v_heads, key_dim, value_dim] float32.
     Returns (out [b, num_v_heads, value_dim] float32, the new states)."""
     q, k = _prepare(q, k, v.shape[1])
+    return _delta_step(q, k, v, g, beta, state)
+
+
+def _delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_gated_delta_step on q and k _prepare made (one value head each)."""
     v, g, beta = v.float(), g.float(), beta.float()
-    s = state.float() * g.exp()[..., None, None]
-    predicted = (s * k[..., None]).sum(-2)  # k @ S: [b, heads, value_dim]
+    s = state.float() * g.exp()[..., None, None]  # a new tensor: the caller's state is not written
+    # NOTE: the reads of S as batched matrix-vector products and the write in place: S (1 MB a
+    # sequence per layer for Qwen3.5-2B's 16 heads of 128 x 128) is read twice and written once
+    # (the elementwise forms made a temporary of S's size for each; 4x slower with 8 sequences).
+    predicted = (k[..., None, :] @ s).squeeze(-2)  # k @ S: [b, heads, value_dim]
     delta = (v - predicted) * beta[..., None]
-    s = s + k[..., None] * delta[..., None, :]
-    return (s * q[..., None]).sum(-2), s
+    s.addcmul_(k[..., None], delta[..., None, :])
+    return (q[..., None, :] @ s).squeeze(-2), s
+
+
+# A sequence continuing its state with at most this many new tokens runs them in the recurrent
+# form (recurrent_rows): a verify step's k + 1 tokens would otherwise be padded to a 64-token chunk.
+MAX_RECURRENT_ROWS = 16
+
+
+def recurrent_rows(
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    weight: torch.Tensor,
+    heads: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    windows: torch.Tensor,
+    states: torch.Tensor,
+    spans: list[tuple[int, int]],
+    slots: list[int],
+    out: torch.Tensor,
+) -> None:
+    """Sequences' new tokens in the recurrent form, position j of every sequence in one batched
+    delta step: the arithmetic of as many single-token decode steps (causal_conv1d_step, then
+    recurrent_gated_delta_step, the window stored in its pool's dtype between them), so a verify
+    step's rows equal decoding its tokens one by one. The conv reads inputs, not the state, so it
+    runs for every row at once (each row's window cut from its sequence's inputs, as the steps
+    would have stored them), and so do the q/k normalisations (row by row); only the delta steps
+    go position by position.
+
+    mixed [num_tokens, conv_dim] (the conv's inputs); g, beta [num_tokens, num_v_heads]; weight
+    [conv_dim, kernel]; heads: the conv's output -> q, k, v; windows, states: the pools [slots,
+    ...], sequence i's read from slots[i] and its final ones written back there; spans: sequence
+    i's rows [start, end) of the batch. Writes out [num_tokens, num_v_heads, value_dim] float32
+    at the spans' rows."""
+    index = torch.tensor(slots, dtype=torch.long, device=mixed.device)
+    b, taps = len(spans), weight.shape[-1] - 1
+    lengths = [end - start for start, end in spans]
+    longest = max(lengths)
+    # Each sequence's window, then its inputs as single steps store them (in the weight's dtype,
+    # then the pool's), padded to the longest: [b, conv_dim, kernel - 1 + longest].
+    full = torch.zeros(b, windows.shape[1], taps + longest, dtype=windows.dtype, device=mixed.device)
+    full[..., :taps] = windows[index]
+    for i, (start, end) in enumerate(spans):
+        full[i, :, taps : taps + end - start] = mixed[start:end].t().to(weight.dtype)
+    # Rows position-major: token j of every sequence that has one, for j = 0, 1, ...
+    order = [(i, j) for j in range(longest) for i in range(b) if j < lengths[i]]
+    rows = torch.tensor([spans[i][0] + j for i, j in order], device=mixed.device)
+    seqs = torch.tensor([i for i, _ in order], device=mixed.device)
+    positions = torch.tensor([j for _, j in order], device=mixed.device)
+    row_windows = full.unfold(-1, taps, 1)[seqs, :, positions]  # [rows, conv_dim, kernel - 1]
+    conv, _ = causal_conv1d_step(mixed[rows], row_windows, weight)
+    q, k, v = heads(conv)
+    q, k = _prepare(q, k, v.shape[1])
+    g, beta = g[rows], beta[rows]
+    state = states[index]  # [b, heads, key, value]
+    first = 0
+    for j in range(longest):
+        live = [i for i in range(b) if j < lengths[i]]
+        at = slice(first, first + len(live))
+        first += len(live)
+        if len(live) == b:  # every sequence has a token j: no gathering
+            out[rows[at]], state = _delta_step(q[at], k[at], v[at], g[at], beta[at], state)
+        else:
+            some = torch.tensor(live, device=mixed.device)
+            out[rows[at]], state[some] = _delta_step(q[at], k[at], v[at], g[at], beta[at], state[some])
+    windows.index_copy_(0, index, torch.stack([full[i, :, n : n + taps] for i, n in enumerate(lengths)]))
+    states.index_copy_(0, index, state)

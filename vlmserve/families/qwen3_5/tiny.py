@@ -14,7 +14,7 @@ vocabulary is larger; a tiny checkpoint names its special ids in config.json).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -90,7 +90,24 @@ BENCH_SPEC = TinySpec(
     vision_num_heads=4,
     vision_intermediate_size=1024,
 )
-PRESETS = {("qwen3_5", "tiny"): TinySpec(), ("qwen3_5", "bench"): BENCH_SPEC, ("qwen3_5_moe", "tiny"): MOE_SPEC}
+# Qwen3.5-2B's language model as published (24 layers, every fourth full attention: 8 query / 2
+# KV heads of 256; Gated DeltaNet 16 key / 16 value heads of 128; hidden 2048, MLP 6144, tied)
+# with BENCH_SPEC's narrow vision tower and the Qwen3-VL vocabulary (151,936 rows, not the
+# published 248,320): the verify-step benchmark's Qwen3.5 (vlmserve.bench.verify_cost).
+QWEN3_5_2B_SPEC = replace(
+    BENCH_SPEC,
+    num_hidden_layers=24,
+    full_attention_interval=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    linear_num_value_heads=16,
+)
+PRESETS = {
+    ("qwen3_5", "tiny"): TinySpec(),
+    ("qwen3_5", "bench"): BENCH_SPEC,
+    ("qwen3_5", "2b"): QWEN3_5_2B_SPEC,
+    ("qwen3_5_moe", "tiny"): MOE_SPEC,
+}
 
 
 def config_json(spec: TinySpec) -> dict[str, object]:
