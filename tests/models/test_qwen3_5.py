@@ -213,7 +213,8 @@ def test_recurrent_rows_give_what_single_token_steps_give_one_by_one() -> None:
     spans = [(0, 3), (3, 4), (4, 9)]
     expected_windows, expected_states = windows.clone(), states.clone()
     expected = torch.empty(n, hv, dv)
-    for (start, end), slot in zip(spans, slots, strict=True):
+    after: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # sequence -> (window, state) after each token
+    for i, ((start, end), slot) in enumerate(zip(spans, slots, strict=True)):
         for t in range(start, end):
             conv, window = deltanet.causal_conv1d_step(mixed[t][None], expected_windows[slot][None], weight)
             q, k, v = heads(conv)
@@ -221,9 +222,18 @@ def test_recurrent_rows_give_what_single_token_steps_give_one_by_one() -> None:
                 q, k, v, decay[t][None], beta[t][None], expected_states[slot][None]
             )
             expected[t], expected_windows[slot], expected_states[slot] = out[0], window[0], state[0]
+            after.setdefault(i, []).append((expected_windows[slot].clone(), expected_states[slot].clone()))
     out = torch.empty(n, hv, dv)
-    deltanet.recurrent_rows(mixed, decay, beta, weight, heads, windows, states, spans, slots, out)
+    # The states after each token, kept for the first and third sequences (rollback of drafts).
+    kept = deltanet.recurrent_rows(
+        mixed, decay, beta, weight, heads, windows, states, spans, slots, out, [True, False, True]
+    )
     assert torch.equal(out, expected)
+    assert sorted(kept) == [0, 2]
+    for i, (kept_windows, kept_states) in kept.items():
+        assert kept_windows.shape[0] == kept_states.shape[0] == lengths[i]
+        for j, (window, state) in enumerate(after[i]):
+            assert torch.equal(kept_windows[j], window) and torch.equal(kept_states[j], state), (i, j)
     # (slot 1, no sequence's, is left as it was: the expected pools' copy of it is untouched too)
     assert torch.equal(windows, expected_windows) and torch.equal(states, expected_states)
 

@@ -44,6 +44,10 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None  # [num_seqs] int64, on the device
     state_slots_host: list[int] | None = None  # [num_seqs]
     has_initial_state: list[bool] | None = None  # [num_seqs]
+    # Sequences verifying drafted tokens (speculative decoding): a state layer keeps their state
+    # after each of their tokens (SequenceState.position_states), so that the state after the
+    # last accepted one can be put back; None: none.
+    keep_position_states: list[bool] | None = None  # [num_seqs]
     # query_start_loc on the device, where the caller keeps one (a CUDA graph's persistent buffer).
     query_start_loc_device: torch.Tensor | None = None  # [num_seqs + 1] int32
     # The rows whose hidden states the step uses (sampled and prompt-logprob rows), ascending, where

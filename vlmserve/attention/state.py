@@ -20,6 +20,9 @@ class SequenceState(nn.Module):
         self.shapes = shapes
         # Bound by the engine: per state tensor [num_slots, *shape].
         self.states: list[torch.Tensor] = []
+        # The last step's states after each token of the sequences it was asked to keep them for
+        # (AttentionMetadata.keep_position_states): slot -> per state tensor [tokens, *shape].
+        self.position_states: dict[int, list[torch.Tensor]] = {}
 
     def slot_bytes(self, model_dtype: torch.dtype) -> int:
         total = 0

@@ -1,10 +1,10 @@
 """Speculative decoding end to end: the same requests through the offline engine without and with
 a speculative_config, in alternating rounds on one machine, each request sampled with the
-checkpoint's own defaults (generation_config.json; a `--temperature` overrides them), and per
+checkpoint's own defaults (generation_config.json; `--sampling '{"temperature": 1.0}'` overrides fields), and per
 configuration the generated tokens per second, the acceptance, and whether the outputs agree.
 
     python -m vlmserve.bench.speculative DIR --speculative-config '{"method": "ngram", ...}'
-        [--requests 1] [--max-tokens 128] [--rounds 3] [--prompt TEXT]
+        [--requests 1] [--max-tokens 128] [--rounds 3] [--sampling JSON]
 
 Outputs agree token for token where the requests' sampling is deterministic (greedy, or top_k 1
 as Qwen2-VL's published defaults); seeded sampled requests (each request gets a seed) are
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1, help="requests decoded together")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--temperature", type=float, default=None, help="instead of the checkpoint's")
+    p.add_argument("--sampling", type=json.loads, default={}, help="SamplingParams fields over the checkpoint's")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
 
@@ -51,15 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         "on": LLM(args.model, **common, speculative_config=args.speculative_config),
     }
     params = engines["off"].get_default_sampling_params()
-    if args.temperature is not None:
-        params = replace(params, temperature=args.temperature)
+    params = replace(params, **args.sampling)
     params = replace(params, max_tokens=args.max_tokens, ignore_eos=True)
     deterministic = params.takes_argmax
     prompts = [PROMPTS[i % len(PROMPTS)] + (f" ({i})" if i >= len(PROMPTS) else "") for i in range(args.requests)]
     per_request = [params if deterministic else replace(params, seed=1000 + i) for i in range(args.requests)]
+    source = "the checkpoint's" + (f", with {args.sampling}" if args.sampling else "")
     print(
         f"sampling: temperature {params.temperature}, top_k {params.top_k}, top_p {params.top_p}, "
-        f"repetition_penalty {params.repetition_penalty} ({'the checkpoint' if args.temperature is None else 'asked'})"
+        f"repetition_penalty {params.repetition_penalty} ({source})"
     )
     for engine in engines.values():  # warm up: the kernels' first calls, the allocator
         engine.generate(prompts[:1], replace(params, max_tokens=4))

@@ -14,6 +14,7 @@ engine/step_isolation.py; the memory planner's worst-case step is engine/profile
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -35,6 +36,11 @@ from vlmserve.models.base import VLModel, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 
 logger = logging.getLogger(__name__)
+
+# Speculative decoding on a model with per-request state: put a rejected draft's request back to
+# the state the layers kept after its last accepted token (1, the default), or to its state from
+# before the step, computing the accepted tokens again (0; docs/benchmarks.md measures both).
+KEEP_POSITION_STATES = os.environ.get("VLMSERVE_KEEP_POSITION_STATES", "1") != "0"
 
 
 class ModelRunner:
@@ -162,6 +168,10 @@ class ModelRunner:
             )
             return hidden if batch.output_rows is None else hidden[batch.output_rows]
         meta = self._metadata(batch)
+        if self.state_layers and KEEP_POSITION_STATES:
+            verifying = {state.request_id for state, drafts in zip(batch.sampled, batch.drafts, strict=True) if drafts}
+            if verifying:
+                meta = replace(meta, keep_position_states=[s.request_id in verifying for s in batch.scheduled])
         if batch.output_rows is not None:
             meta = replace(meta, output_rows=torch.tensor(batch.output_rows, dtype=torch.long, device=self.device))
         input_ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
@@ -209,7 +219,7 @@ class ModelRunner:
                 rejected.append(state)
             state.token_ids.extend(kept)
             row += len(drafts) + 1
-        self._restore_states(rejected, out)
+        self._restore_states(rejected, batch, out)
         return out
 
     def _save_states(self, batch: StepBatch) -> None:
@@ -226,21 +236,40 @@ class ModelRunner:
         saved = [[state.index_select(0, index) for state in layer.states] for layer in self.state_layers]
         self._saved_states = (spec, saved)
 
-    def _restore_states(self, rejected: list[CachedRequestState], out: ModelRunnerOutput) -> None:
-        """Put back the saved state of the requests that rejected a draft: none of the step's
-        tokens stays computed for them, and the scheduler has them computed again (with the
-        accepted drafts and the new token: one step, as long as a verify step is)."""
+    def _restore_states(self, rejected: list[CachedRequestState], batch: StepBatch, out: ModelRunnerOutput) -> None:
+        """The per-request state of the requests that rejected a draft, as it was after their last
+        accepted token: from the states the layers kept after each token of the step (the
+        recurrent form's, SequenceState.position_states), or where they did not keep them (a
+        sequence the chunked form ran), the saved state from before the step: then none of the
+        step's tokens stays computed, and the scheduler has them computed again (with the
+        accepted drafts and the new token, in one step as long as a verify step is)."""
         saved, self._saved_states = self._saved_states, None
-        if saved is None or not rejected:
+        if not rejected or not self.state_layers:
             return
+        rows = dict(zip((s.request_id for s in batch.scheduled), _row_counts(batch), strict=True))
+        put_back = []
+        for request in rejected:
+            slot = request.state_slot
+            if not all(slot in layer.position_states for layer in self.state_layers):
+                put_back.append(request)
+                continue
+            # the row of its last accepted token: its known tokens' last, then one per accepted draft
+            drafts = batch.drafts[batch.sampled.index(request)]
+            accepted = len(out.sampled_token_ids[request.request_id]) - 1
+            row = rows[request.request_id] - len(drafts) - 1 + accepted
+            for layer in self.state_layers:
+                for tensor, kept in zip(layer.states, layer.position_states[slot], strict=True):
+                    tensor[slot].copy_(kept[row])
+        if not put_back:
+            return
+        assert saved is not None, "a state saved before the step for each request verifying drafts"
         slots, tensors = saved
-        where = [slots.index(state.state_slot) for state in rejected]
-        index = torch.tensor(where, dtype=torch.long, device=self.device)
-        dst = torch.tensor([state.state_slot for state in rejected], dtype=torch.long, device=self.device)
+        index = torch.tensor([slots.index(r.state_slot) for r in put_back], dtype=torch.long, device=self.device)
+        dst = torch.tensor([r.state_slot for r in put_back], dtype=torch.long, device=self.device)
         for layer, layer_saved in zip(self.state_layers, tensors, strict=True):
             for tensor, copy in zip(layer.states, layer_saved, strict=True):
                 tensor.index_copy_(0, dst, copy.index_select(0, index))
-        for request in rejected:
+        for request in put_back:
             out.num_kept_tokens[request.request_id] = 0
 
     def _copy_states(self, copies: list[tuple[int, int, int]]) -> None:
@@ -302,3 +331,9 @@ def _grammar_of(
     masks = torch.full((row, bitmask.shape[1]), -1, dtype=torch.int32)
     masks[[a for a, _ in picks]] = bitmask[[b for _, b in picks]]
     return GrammarMask(masks, [a for a, _ in picks])
+
+
+def _row_counts(batch: StepBatch) -> list[int]:
+    """Each scheduled sequence's rows in the batch."""
+    loc = batch.query_start_loc
+    return [loc[i + 1] - loc[i] for i in range(len(batch.scheduled))]

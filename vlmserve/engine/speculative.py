@@ -150,9 +150,11 @@ class NgramIndex:
 
 class DraftBackoff:
     """How many tokens one request drafts next: the configured k while drafts are accepted;
-    halved at each verification that accepts none, and at none, a pause of `pause` steps (doubled
-    at each pause that ends in another rejection, up to MAX_PAUSE) before one draft is tried
-    again. Any accepted draft ends the pauses; every draft of a step accepted doubles the count."""
+    halved at each verification that accepts none, and at none, a pause of `pause` steps (four
+    times longer at each pause that ends in another rejection, up to MAX_PAUSE) before one draft
+    is tried again. Any accepted draft ends the pauses; every draft of a step accepted doubles the
+    count. (Measured: a draft head that accepts nothing on Qwen3.5-2B cost 8 % of the speed with
+    pauses doubling from 4; most of it the drafting steps' lm_head products.)"""
 
     MAX_PAUSE = 64
     FIRST_PAUSE = 4
@@ -176,7 +178,7 @@ class DraftBackoff:
         if accepted == 0:
             self.current //= 2
             if self.current == 0:
-                self.pause = min(self.MAX_PAUSE, 2 * self.pause if self.pause else self.FIRST_PAUSE)
+                self.pause = min(self.MAX_PAUSE, 4 * self.pause if self.pause else self.FIRST_PAUSE)
                 self.waiting = self.pause
                 self.current = 1
             return

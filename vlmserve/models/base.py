@@ -63,6 +63,13 @@ class VLModel(nn.Module):
         are the target's rows' at those positions (the head's own KV layers write there)."""
         raise NotImplementedError(f"{type(self).__name__} has no draft head")
 
+    def draft_fill(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """What draft_forward writes to the draft head's own KV cache for these rows, without
+        computing their output (rows no draft is read from)."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft head")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 

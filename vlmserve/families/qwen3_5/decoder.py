@@ -15,6 +15,7 @@ from vlmserve.attention import AttentionBackend
 from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.metadata import AttentionMetadata
 from vlmserve.attention.state import SequenceState
+from vlmserve.attention.torch_backend import write_kv
 from vlmserve.config import TextConfig
 from vlmserve.families.common.decoder import MRotaryEmbedding, QwenMLP
 from vlmserve.families.qwen3_5.config import Qwen35FamilyConfig
@@ -111,10 +112,14 @@ class GatedDeltaNet(nn.Module):
             for i in range(meta.num_seqs)
             if loc[i + 1] - loc[i] == 1 or (loc[i + 1] - loc[i] <= MAX_RECURRENT_ROWS and meta.has_initial_state[i])
         ]
+        self.state.position_states = {}
         if recurrent:
             spans = [(loc[i], loc[i + 1]) for i in recurrent]
             slots = [meta.state_slots_host[i] for i in recurrent]
-            recurrent_rows(mixed, g, beta, weight, self._heads, windows, states, spans, slots, out)
+            wanted = meta.keep_position_states
+            keep = None if wanted is None else [wanted[i] for i in recurrent]
+            kept = recurrent_rows(mixed, g, beta, weight, self._heads, windows, states, spans, slots, out, keep)
+            self.state.position_states = {slots[i]: tensors for i, tensors in kept.items()}
         chunked = sorted(set(range(meta.num_seqs)) - set(recurrent))
         for i in chunked:
             start, end = loc[i], loc[i + 1]
@@ -152,6 +157,15 @@ class GatedAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attn(q.contiguous(), k, v, meta)  # [n, q_size]
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.q_size)))
+
+    def store_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Only the keys and values of x's rows, written at meta's slots (no attention read): a
+        draft head's cache kept up where its output is not needed."""
+        assert self.attn.kv_cache is not None, "KV cache not bound"
+        n = x.shape[0]
+        _, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        k = _partial_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        write_kv(k.contiguous(), v.reshape(n, self.num_kv_heads, self.head_dim), self.attn.kv_cache, meta)
 
 
 def _partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

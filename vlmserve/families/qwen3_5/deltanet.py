@@ -149,7 +149,8 @@ def recurrent_rows(
     spans: list[tuple[int, int]],
     slots: list[int],
     out: torch.Tensor,
-) -> None:
+    keep: list[bool] | None = None,
+) -> dict[int, list[torch.Tensor]]:
     """Sequences' new tokens in the recurrent form, position j of every sequence in one batched
     delta step: the arithmetic of as many single-token decode steps (causal_conv1d_step, then
     recurrent_gated_delta_step, the window stored in its pool's dtype between them), so a verify
@@ -162,7 +163,8 @@ def recurrent_rows(
     [conv_dim, kernel]; heads: the conv's output -> q, k, v; windows, states: the pools [slots,
     ...], sequence i's read from slots[i] and its final ones written back there; spans: sequence
     i's rows [start, end) of the batch. Writes out [num_tokens, num_v_heads, value_dim] float32
-    at the spans' rows."""
+    at the spans' rows. keep: per sequence, whether to return its states after each of its tokens
+    -> {sequence i: [windows [n, conv_dim, kernel - 1], states [n, heads, key, value]]}."""
     index = torch.tensor(slots, dtype=torch.long, device=mixed.device)
     b, taps = len(spans), weight.shape[-1] - 1
     lengths = [end - start for start, end in spans]
@@ -184,6 +186,8 @@ def recurrent_rows(
     q, k = _prepare(q, k, v.shape[1])
     g, beta = g[rows], beta[rows]
     state = states[index]  # [b, heads, key, value]
+    kept = [i for i in range(b) if keep is not None and keep[i]]
+    per_position = {i: state.new_empty(lengths[i], *state.shape[1:]) for i in kept}
     first = 0
     for j in range(longest):
         live = [i for i in range(b) if j < lengths[i]]
@@ -194,5 +198,13 @@ def recurrent_rows(
         else:
             some = torch.tensor(live, device=mixed.device)
             out[rows[at]], state[some] = _delta_step(q[at], k[at], v[at], g[at], beta[at], state[some])
+        for i in kept:
+            if j < lengths[i]:
+                per_position[i][j].copy_(state[i])
     windows.index_copy_(0, index, torch.stack([full[i, :, n : n + taps] for i, n in enumerate(lengths)]))
     states.index_copy_(0, index, state)
+    # The window after token j: the taps inputs ending with it.
+    return {
+        i: [full[i].unfold(-1, taps, 1)[:, 1 : lengths[i] + 1].permute(1, 0, 2).contiguous(), per_position[i]]
+        for i in kept
+    }

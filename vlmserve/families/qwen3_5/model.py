@@ -49,6 +49,15 @@ class Qwen35ForConditionalGeneration(VisionLanguageModel):
         cos, sin = self.model.rotary(positions, hidden.dtype)  # the decoder's M-RoPE
         return self.mtp(self.get_input_embeddings(token_ids), hidden, cos, sin, meta)
 
+    def draft_fill(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """draft_forward's writes to the head's KV cache alone (rows whose output no draft reads)."""
+        if self.mtp is None:
+            raise NotImplementedError(f"{self.display_name} was built without its multi-token-prediction head")
+        cos, sin = self.model.rotary(positions, hidden.dtype)
+        self.mtp.fill(self.get_input_embeddings(token_ids), hidden, cos, sin, meta)
+
     def encode(self, items: list[MultiModalItem], device: torch.device) -> torch.Tensor:
         """[total length, hidden]: the tower's merged row (it has no DeepStack rows)."""
         return super().encode(items, device)[0]

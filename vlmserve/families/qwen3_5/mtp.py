@@ -71,9 +71,26 @@ class Qwen35MultiTokenPredictor(nn.Module):
     ) -> torch.Tensor:
         """inputs_embeds: [n, hidden] of tokens i + 1; hidden: [n, hidden], the target's at i;
         cos, sin: the rotary of the rows' positions -> [n, hidden] (the lm_head's input)."""
-        assert inputs_embeds.shape == hidden.shape, (inputs_embeds.shape, hidden.shape)
-        x = torch.cat([self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        x = self.fc(x)  # [n, hidden]
+        x = self._input(inputs_embeds, hidden)
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
+
+    def fill(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """forward's keys and values of the rows, written to the head's cache, without the rest of
+        its layer (attention, MLP, norm): rows whose output no draft reads (a third of the cost)."""
+        (layer,) = self.layers
+        assert isinstance(layer, Qwen35DecoderLayer) and not layer.linear
+        layer.self_attn.store_kv(layer.input_layernorm(self._input(inputs_embeds, hidden)), cos, sin, meta)
+
+    def _input(self, inputs_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        assert inputs_embeds.shape == hidden.shape, (inputs_embeds.shape, hidden.shape)
+        x = torch.cat([self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return self.fc(x)  # [n, hidden]
