@@ -243,21 +243,26 @@ def frontend(model_dir: Path):  # type: ignore[no-untyped-def]
     return load_frontend(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=4096))
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
+def small_llm(model_dir: Path, **options: Any) -> Any:
     """The offline engine with a small token budget (image prompts are prefilled in chunks)."""
-    import gc
-
     from vlmserve import LLM
 
-    engine = LLM(
+    return LLM(
         model_dir,
         dtype="float32",
         max_model_len=1024,
         max_num_batched_tokens=64,
         kv_cache_memory_gib=0.02,
         limit_mm_per_prompt={"image": 2},
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[Any]:
+    import gc
+
+    engine = small_llm(model_dir)
     yield engine
     del engine
     gc.collect()

@@ -29,6 +29,7 @@ from tests.families.conftest import (
     TransformersReference,
     exemption,
     skip_if_exempt,
+    small_llm,
 )
 from tests.model_harness import Harness
 from tests.speculation import oracle_drafts
@@ -263,22 +264,8 @@ def test_greedy_batched_alone_and_cached_match_the_reference(
 @pytest.fixture(scope="module")
 def speculative_llm(model_dir: Path) -> Any:
     """The `llm` fixture's engine with n-gram speculation (drafts from any 1-3 repeated tokens)."""
-    from vlmserve import LLM
-
-    engine = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=1024,
-        max_num_batched_tokens=64,
-        kv_cache_memory_gib=0.02,
-        limit_mm_per_prompt={"image": 2},
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 4,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    )
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = small_llm(model_dir, speculative_config=ngram)
     yield engine
     del engine
     gc.collect()
