@@ -102,3 +102,50 @@ def test_enforce_eager_and_gpu_memory_utilization_flags_parse(bad: float) -> Non
     assert (args.enforce_eager, args.gpu_memory_utilization, args.attention_backend) == (True, 0.5, "triton")
     with pytest.raises(SystemExit):
         parser.parse_args(["--gpu-memory-utilization", str(bad)])
+
+
+@torch.inference_mode()
+def test_a_verify_step_replays_the_decode_graphs_as_decode_rows(triton_interpreter: None, tiny_dir: Path) -> None:
+    """A verify step (one request's token and 3 drafts after 16 cached tokens, beside another's
+    decode) as the runner hands it to the decode graphs, each token a decode row over its own
+    prefix (StepBatch.decode_rows): the hidden states and K/V of the eager step that runs the 4
+    tokens as one chunk."""
+    from vlmserve.engine.step_batch import StepBatch
+
+    config = load_model_config(tiny_dir / "config.json")
+    backend = select_backend(torch.device("cpu"), "triton")
+    model = build_model(family_of(config).model_class, config, tiny_dir, backend, torch.device("cpu"), torch.float32)
+    layers = [m for m in model.modules() if hasattr(m, "kv_cache")]
+    num_blocks, block_size = 12, 16
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(2, num_blocks + 1, block_size, m.num_kv_heads, m.head_dim, generator=g) for m in layers]
+    seq_lens, block_rows, counts = [20, 9], [[3, 8], [5]], [4, 1]
+    starts = [n - c for n, c in zip(seq_lens, counts, strict=True)]
+    slots = [
+        row[t // block_size] * block_size + t % block_size
+        for row, start, n in zip(block_rows, starts, seq_lens, strict=True)
+        for t in range(start, n)
+    ]
+    token_ids = [1000, 2000, 3000, 4000, 5000]
+    positions = torch.tensor([[16, 17, 18, 19, 8]] * 3)
+    batch = StepBatch(token_ids, positions, slots, [0, 4, 5], seq_lens, block_rows, [], [], [], [])
+    rows = batch.decode_rows()
+    assert rows == ([17, 18, 19, 20, 9], [[3, 8]] * 4 + [[5]])
+
+    for layer, cache in zip(layers, caches, strict=True):
+        layer.kv_cache = cache.clone()
+    graphs = DecodeGraphs(model, torch.device("cpu"), 8, 2, block_size, num_blocks, eager_capture([]))
+    got = graphs.run(token_ids, positions, slots, *rows)
+    graph_caches = [layer.kv_cache.clone() for layer in layers]
+
+    for layer, cache in zip(layers, caches, strict=True):
+        layer.kv_cache = cache.clone()
+    block_tables = torch.tensor([[3, 8], [5, 0]])
+    meta = AttentionMetadata(torch.tensor(slots), block_tables, torch.tensor(seq_lens), [0, 4, 5], seq_lens, 16)
+    expected = model(None, positions, meta, model.get_input_embeddings(torch.tensor(token_ids)), None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for graph_cache, layer in zip(graph_caches, layers, strict=True):
+        torch.testing.assert_close(graph_cache[:, :num_blocks], layer.kv_cache[:, :num_blocks], atol=1e-5, rtol=1e-5)
+    # a prompt's chunk (no token cached before it) is not a decode-row shape
+    chunk = StepBatch(token_ids[:4], positions[:, :4], slots[:4], [0, 4], [4], [[3]], [], [], [], [])
+    assert chunk.decode_rows() is None

@@ -114,6 +114,7 @@ def test_a_square_gate_up_proj_nothing_orients_is_refused_until_the_version_says
         Harness(mixed)
     message = str(error.value)
     assert message.startswith(
+        f"checkpoint {mixed}: "  # the folder, then the weight
         "weight model.language_model.layers.0.mlp.experts.gate_up_proj: checkpoint shape (8, 64, 64) fits both "
         "(8, 64, 64) [experts, out, in] (transformers 5's save_pretrained) and (8, 64, 64) [experts, in, out]"
     )

@@ -14,7 +14,7 @@ from vlmserve.engine.checkpoint import EngineModel
 from vlmserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from vlmserve.engine.executor import ExecutorError, InProcessExecutor, make_executor
 from vlmserve.engine.memory import MemoryPlan, plan_kv_cache
-from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.model_runner import KEEP_POSITION_STATES, ModelRunner
 from vlmserve.engine.request import Request, RequestStatus
 from vlmserve.engine.scheduler import Scheduler, SchedulerConfig
 from vlmserve.engine.speculative import DraftBackoff, NgramIndex, SpeculativeConfig, SpeculativeStats
@@ -178,10 +178,11 @@ class EngineCore:
             rank.slot_bytes, config.max_num_seqs, config.enable_prefix_caching, config.saved_state_slots
         )
         slot_bytes = sum(group.bytes for group in slot_groups)
-        if self.speculative is not None:
-            # A verification keeps each request's state from before it (put back when a draft is
-            # rejected): at most one per running request, for the step.
-            slot_bytes += config.max_num_seqs * rank.slot_bytes
+        if self.speculative is not None and rank.slot_bytes:
+            # A verification keeps each verifying request's state from before it and after each of
+            # its k + 1 tokens (one is put back when a draft is rejected), for the step.
+            kept = 1 + (self.speculative.num_speculative_tokens + 1 if KEEP_POSITION_STATES else 0)
+            slot_bytes += config.max_num_seqs * kept * rank.slot_bytes
         # The compiled grammars live in the engine core's host memory: on the CPU, where the KV
         # cache does too, the KV cache is sized after them (every rank's: they share the machine).
         grammars_in_budget = self.device.type == "cpu"

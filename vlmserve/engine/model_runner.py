@@ -162,10 +162,11 @@ class ModelRunner:
         """The model on the batch -> hidden states of batch.output_rows (every row where None),
         [rows, hidden_size]. The state copies the step asks for go before and after it."""
         graphs = self.decode_graphs
-        if graphs is not None and batch.is_decode and graphs.bucket(batch.num_tokens):
-            hidden = graphs.run(
-                batch.token_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.block_tables
-            )
+        rows = batch.decode_rows() if graphs is not None and graphs.bucket(batch.num_tokens) else None
+        if graphs is not None and rows is not None:
+            # A decode step, or a verify step's tokens as decode rows (each over its own prefix: in
+            # each layer every row's K/V is written before any row attends).
+            hidden = graphs.run(batch.token_ids, batch.positions, batch.slot_mapping, *rows)
             return hidden if batch.output_rows is None else hidden[batch.output_rows]
         meta = self._metadata(batch)
         if self.state_layers and KEEP_POSITION_STATES:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.attention.metadata import AttentionMetadata
+from vlmserve.attention.metadata import AttentionMetadata, decode_row_lens
 from vlmserve.engine.prompt_logprobs import PromptLogprobsRows
 from vlmserve.engine.request_state import CachedRequestState, DecodePositions
 from vlmserve.ipc.contracts import SchedulerOutput
@@ -44,10 +44,23 @@ class StepBatch:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def is_decode(self) -> bool:
-        """One token per request and no image rows: a CUDA graph's shape."""
-        return len(self.token_ids) == len(self.scheduled) and not self.mm_spans
+    def decode_rows(self) -> tuple[list[int], list[list[int]]] | None:
+        """The step as decode rows, a CUDA graph's shape: one token per request, or a few after
+        cached ones (a verify step's token and drafts), each token a row over its own prefix
+        sharing its sequence's block table (decode_row_lens); no image rows. (each row's length,
+        each row's blocks); None where the step has another shape."""
+        if self.mm_spans:
+            return None
+        lens: list[int] = []
+        blocks: list[list[int]] = []
+        for i, seq_len in enumerate(self.seq_lens):
+            count = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            rows = [seq_len] if count == 1 else decode_row_lens(count, seq_len)
+            if rows is None:
+                return None
+            lens += rows
+            blocks += [self.block_tables[i]] * count
+        return lens, blocks
 
     def hidden_rows(self, rows: list[int]) -> list[int]:
         """Where rows of the batch are in the forward's output (only output_rows come back)."""
