@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from vlmserve import LLM
-    from vlmserve.engine.speculative import SpeculativeStats
 
     common: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 4096, "max_num_seqs": max(8, args.requests)}
     engines = {
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     outputs: dict[str, list[list[int]]] = {}
     core = engines["on"].llm_engine.core
-    before = replace(core.spec_stats, accepted_per_position=list(core.spec_stats.accepted_per_position or ()))
+    before = core.spec_stats.copy()
     for _ in range(args.rounds):
         for name, engine in engines.items():
             start = time.perf_counter()
@@ -74,13 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.perf_counter() - start
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in done) / elapsed)
             outputs[name] = [o.outputs[0].token_ids for o in done]
-    after = core.spec_stats
-    spec = SpeculativeStats(
-        after.num_speculative_tokens,
-        after.num_drafts - before.num_drafts,
-        after.num_draft_tokens - before.num_draft_tokens,
-        after.num_accepted_tokens - before.num_accepted_tokens,
-    )
+    spec = core.spec_stats.since(before)
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, median:")
     print(f"  speculation off  {off:8.1f} tokens/s  (rounds: {', '.join(f'{r:.1f}' for r in rates['off'])})")

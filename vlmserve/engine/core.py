@@ -317,8 +317,7 @@ class EngineCore:
                     request.request_id, request.spec_token_ids
                 )
                 continue
-            room = request.max_tokens - len(request.output_token_ids) - 1
-            count = min(request.backoff.next_count(), room)
+            count = min(request.backoff.next_count(), request.draft_room)
             if count <= 0:
                 request.spec_token_ids = []
                 continue

@@ -101,6 +101,12 @@ class Request:
         return events
 
     @property
+    def draft_room(self) -> int:
+        """The most drafts a step may verify for it: its max_tokens less its output and the token
+        the step samples after them."""
+        return self.max_tokens - len(self.output_token_ids) - 1
+
+    @property
     def is_decoding(self) -> bool:
         """Every known token but the last computed: the next step decodes (or verifies drafts)."""
         return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)

@@ -347,7 +347,7 @@ class Scheduler:
             out.scheduled_spec_tokens[request_id] = drafts
         request.spec_token_ids = []
         if lookahead and request.backoff is not None:
-            wanted = min(request.backoff.next_count(), request.max_tokens - len(request.output_token_ids) - 1)
+            wanted = min(request.backoff.next_count(), request.draft_room)
             if wanted > 0:
                 out.num_drafts_wanted[request_id] = wanted
         block_ids = self.kv.block_ids[request_id]

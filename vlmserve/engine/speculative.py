@@ -24,7 +24,7 @@ not pay costs little."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -233,6 +233,20 @@ class SpeculativeStats:
                 self.num_accepted_tokens += output.num_accepted_tokens
                 for i in range(min(output.num_accepted_tokens, len(self.accepted_per_position))):
                     self.accepted_per_position[i] += 1
+
+    def since(self, earlier: SpeculativeStats) -> SpeculativeStats:
+        """What was counted after `earlier` (a copy taken then): self less earlier."""
+        assert self.accepted_per_position is not None and earlier.accepted_per_position is not None
+        return SpeculativeStats(
+            self.num_speculative_tokens,
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [a - b for a, b in zip(self.accepted_per_position, earlier.accepted_per_position, strict=True)],
+        )
+
+    def copy(self) -> SpeculativeStats:
+        return replace(self, accepted_per_position=list(self.accepted_per_position or ()))
 
     @property
     def acceptance_rate(self) -> float:

@@ -10,7 +10,6 @@ import logging
 import time
 
 from vlmserve.engine.core import EngineCore
-from vlmserve.engine.speculative import SpeculativeStats
 
 
 class StatLogger:
@@ -21,7 +20,7 @@ class StatLogger:
         self.last_time = time.monotonic()
         self.last_prompt_tokens = core.num_prompt_tokens
         self.last_generation_tokens = core.num_generation_tokens
-        self.last_spec = _copy(core.spec_stats)
+        self.last_spec = core.spec_stats.copy()
         self.was_busy = False
 
     def maybe_log(self) -> None:
@@ -55,32 +54,20 @@ class StatLogger:
         self.last_generation_tokens = core.num_generation_tokens
 
     def _log_speculation(self, elapsed: float) -> None:
-        now, last = self.core.spec_stats, self.last_spec
-        drafts = now.num_drafts - last.num_drafts
-        drafted = now.num_draft_tokens - last.num_draft_tokens
-        accepted = now.num_accepted_tokens - last.num_accepted_tokens
-        assert now.accepted_per_position is not None and last.accepted_per_position is not None
-        per_position = [a - b for a, b in zip(now.accepted_per_position, last.accepted_per_position, strict=True)]
+        now = self.core.spec_stats
+        interval = now.since(self.last_spec)
+        assert interval.accepted_per_position is not None
+        drafts = interval.num_drafts
         self.logger.info(
             "speculative decoding: mean acceptance length: %.2f, accepted throughput: %.1f tokens/s, drafted "
             "throughput: %.1f tokens/s, accepted: %d tokens, drafted: %d tokens, per-position acceptance rate: %s, "
             "draft acceptance rate: %.1f%%",
-            1 + accepted / drafts if drafts else 0.0,
-            accepted / elapsed,
-            drafted / elapsed,
-            accepted,
-            drafted,
-            ", ".join(f"{n / drafts:.3f}" if drafts else "0.000" for n in per_position),
-            100 * accepted / drafted if drafted else 0.0,
+            interval.mean_acceptance_length,
+            interval.num_accepted_tokens / elapsed,
+            interval.num_draft_tokens / elapsed,
+            interval.num_accepted_tokens,
+            interval.num_draft_tokens,
+            ", ".join(f"{n / drafts:.3f}" if drafts else "0.000" for n in interval.accepted_per_position),
+            100 * interval.acceptance_rate,
         )
-        self.last_spec = _copy(now)
-
-
-def _copy(stats: SpeculativeStats) -> SpeculativeStats:
-    return SpeculativeStats(
-        stats.num_speculative_tokens,
-        stats.num_drafts,
-        stats.num_draft_tokens,
-        stats.num_accepted_tokens,
-        list(stats.accepted_per_position or ()),
-    )
+        self.last_spec = now.copy()
