@@ -65,6 +65,14 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method":
     # "mtp", "num_speculative_tokens": k}; None: off.
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (vlmserve/lora), vLLM's names: enable_lora builds the low-rank slots into the
+    # model's linear layers; max_loras adapters may run in one step (each row its own or none),
+    # each of rank up to max_lora_rank; max_cpu_loras adapters are kept loaded (None: max_loras),
+    # the least recently used dropped first (loaded again from its folder when asked for).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # "auto" (triton on CUDA where installed, else torch), "torch" or "triton" (attention/__init__.py).
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs (engine/cuda_graphs.py), every step eager.
