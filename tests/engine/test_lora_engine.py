@@ -120,11 +120,11 @@ def test_the_engines_adapters(llm: LLM, adapters: dict[str, LoRARequest], tmp_pa
 
 def test_each_row_keeps_its_own_slots_columns() -> None:
     cpu = torch.device("cpu")
-    assert step_rows([-1, -1], cpu) is None
-    uniform = step_rows([1, 1, 1], cpu)
-    assert uniform is not None and uniform.slot_of_row is None and (uniform.first, uniform.last) == (1, 1)
-    mixed = step_rows([0, -1, 2], cpu)
-    assert mixed is not None and (mixed.first, mixed.last) == (0, 2)
+    assert step_rows([-1, -1], 3, cpu) is None
+    uniform = step_rows([1, 1, 1], 3, cpu)
+    assert uniform is not None and torch.equal(uniform.mask(2, torch.float32), torch.tensor([[0.0, 0, 1, 1, 0, 0]]))
+    mixed = step_rows([0, -1, 2], 3, cpu)
+    assert mixed is not None
     # Slots 0..2 of 2 columns each: row 0 slot 0's, row 1 none, row 2 slot 2's.
     expected = torch.tensor([[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.float32)
     assert torch.equal(mixed.mask(2, torch.float32), expected)

@@ -8,13 +8,14 @@ v; 2 for gate, up). An adapter running in a step sits in a slot: its A rows and 
 zeros where it does not reach (a layer it does not target, a part it leaves out, ranks below the
 largest). A step's update of a layer is then two products whatever its adapters:
 
-    h = x @ A.T            (every row against every slot in use)
+    h = x @ A.T            (every row against every slot)
     h *= mask              (each row keeps its own slot's columns; the base model's none)
     out += h @ B.T
 
 the gathered form of vLLM's punica kernels (not a forward per adapter, nor a gather of per-row
-matrices). A step of one adapter on every row (the vision tower's, which the runner encodes per
-adapter) needs no mask.
+matrices). The products run on the whole slot matrices, whose shapes are fixed, with the
+engine's CPU bf16 matrix product chosen for them (torch's bf16 product of a narrow output, such
+as x @ A.T's few columns, takes a slow generic path on the CPU: ~40x an fp32 one, measured).
 
 The rows a layer sees are the step's rows, or fewer in the last decoder layer (past attention
 only the rows whose hidden states are kept: AttentionMetadata.output_rows); the hook tells them
@@ -31,37 +32,36 @@ import torch
 from torch import nn
 
 from vlmserve.distributed import all_reduce
+from vlmserve.kernels import LinearOp
 from vlmserve.lora.adapter import ModuleDelta
 
 
 @dataclass
 class StepRows:
-    """The slots of one row count's rows: slot_of_row [rows] (-1: the base model) or None (every
-    row in slot `first`); the slots in use are first..last (one contiguous range of columns)."""
+    """The slot of each of one row count's rows: slot_of_row [rows] (-1: the base model), or
+    [1] (every row the same slot); num_slots slots in all."""
 
-    slot_of_row: torch.Tensor | None
-    first: int
-    last: int
-    # The mask of each slot width in use, [rows, (last - first + 1) * cols], made on first need.
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    slot_of_row: torch.Tensor
+    num_slots: int
+    # The mask of each slot width, [rows or 1, num_slots * cols], made on first need.
+    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        mask = self.masks.get(cols)
+        mask = self.masks.get((cols, dtype))
         if mask is None:
-            assert self.slot_of_row is not None
-            slots = torch.arange(self.first, self.last + 1, device=self.slot_of_row.device).repeat_interleave(cols)
-            mask = self.masks[cols] = (self.slot_of_row[:, None] == slots[None, :]).to(dtype)
+            slots = torch.arange(self.num_slots, device=self.slot_of_row.device).repeat_interleave(cols)
+            mask = self.masks[cols, dtype] = (self.slot_of_row[:, None] == slots[None, :]).to(dtype)
         return mask
 
 
-def step_rows(slot_of_row: list[int], device: torch.device) -> StepRows | None:
+def step_rows(slot_of_row: list[int], num_slots: int, device: torch.device) -> StepRows | None:
     """A step's rows by slot (-1: none); None where no row has an adapter."""
-    used = sorted({s for s in slot_of_row if s >= 0})
+    used = {s for s in slot_of_row if s >= 0}
     if not used:
         return None
-    if len(used) == 1 and len(slot_of_row) and min(slot_of_row) >= 0:
-        return StepRows(None, used[0], used[0])
-    return StepRows(torch.tensor(slot_of_row, dtype=torch.long, device=device), used[0], used[-1])
+    if len(used) == 1 and min(slot_of_row) >= 0:
+        slot_of_row = [used.pop()]
+    return StepRows(torch.tensor(slot_of_row, dtype=torch.long, device=device), num_slots)
 
 
 class LoRARows:
@@ -109,9 +109,11 @@ class LoRALayer:
         reduce: bool,
         dtype: torch.dtype,
         device: torch.device,
+        op: LinearOp,
     ) -> None:
         self.name = name
         self.rows = rows
+        self.op = op
         self.cols = cols
         self.reduce = reduce  # row-parallel: x @ A.T is each rank's partial sum
         self.a = torch.zeros(slots * cols, in_features, dtype=dtype, device=device)
@@ -142,11 +144,9 @@ class LoRALayer:
         rows = by_count[key]
         if rows is None:
             return None
-        lo, hi = rows.first * self.cols, (rows.last + 1) * self.cols
-        h = x.to(self.a.dtype) @ self.a[lo:hi].T
-        if rows.slot_of_row is not None:
-            h *= rows.mask(self.cols, h.dtype)
+        h = self.op(x.to(self.a.dtype), self.a, None)
+        h *= rows.mask(self.cols, h.dtype)
         if self.reduce:
             h = all_reduce(h)
-        output += (h @ self.b[:, lo:hi].T).to(output.dtype)
+        output += self.op(h, self.b, None).to(output.dtype)
         return output

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from vlmserve.kernels import LinearOp, select_linear_op
 from vlmserve.lora.adapter import LoadedAdapter, read_adapter, weight_spec
 from vlmserve.lora.layers import LoRALayer, LoRARows, StepRows, step_rows
 from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
@@ -52,6 +53,7 @@ class LoRAManager:
         self.slots: list[LoadedAdapter | None] = [None] * max_loras
         self.slot_last_used = [0] * max_loras
         self.steps = 0
+        self._slot_op: LinearOp | None = None
 
     def reserved_bytes(self) -> int:
         """What adapters may take, for the memory plan: the slots and the `capacity` adapters held
@@ -115,9 +117,21 @@ class LoRAManager:
                 reduce,
                 self.dtype,
                 self.device,
+                self._op(),
             )
             module.register_forward_hook(layer)
             self.layers[name] = layer
+
+    def _op(self) -> LinearOp:
+        """The matrix product of the slots: on the CPU in bf16, the engine's per-shape choice for
+        their shapes (every layer's, chosen once: a few milliseconds a shape), else torch's."""
+        if self._slot_op is None:
+            shapes = set()
+            for module, cols, _ in self._linear_layers().values():
+                width = cols * self.max_loras
+                shapes |= {(width, int(module.in_features)), (int(module.out_features), width)}  # type: ignore[arg-type]
+            self._slot_op = select_linear_op(self.device, self.dtype, shapes)
+        return self._slot_op
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)
@@ -163,9 +177,10 @@ class LoRAManager:
         per_row = [
             -1 if lora is None else slots[lora] for lora, n in zip(loras, row_counts, strict=True) for _ in range(n)
         ]
-        by_count: dict[int | None, StepRows | None] = {len(per_row): step_rows(per_row, self.device)}
+        by_count: dict[int | None, StepRows | None] = {len(per_row): step_rows(per_row, self.max_loras, self.device)}
         if output_rows is not None:
-            by_count[len(output_rows)] = step_rows([per_row[i] for i in output_rows], self.device)
+            kept = [per_row[i] for i in output_rows]
+            by_count[len(output_rows)] = step_rows(kept, self.max_loras, self.device)
         with self.rows.use(self.model, by_count):
             yield
 
@@ -176,5 +191,6 @@ class LoRAManager:
             yield
             return
         slot = self._slots_of([lora])[lora]
-        with self.rows.use(self.model, {None: StepRows(None, slot, slot)}):
+        rows = step_rows([slot], self.max_loras, self.device)
+        with self.rows.use(self.model, {None: rows}):
             yield
