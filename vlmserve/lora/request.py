@@ -22,6 +22,8 @@ class LoRARequest(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
-            raise LoRAError(f"adapter {self.lora_name!r}: lora_int_id must be a positive integer, got {self.lora_int_id}")
+            raise LoRAError(
+                f"adapter {self.lora_name!r}: lora_int_id must be a positive integer, got {self.lora_int_id}"
+            )
         if not self.lora_name:
             raise LoRAError("an adapter needs a non-empty lora_name")
