@@ -128,8 +128,8 @@ LORA_MODULE_FIELDS = ("name", "path", "base_model_name")
 
 def lora_module(text: str) -> LoRAModulePath:
     """vLLM's --lora-modules word: `name=path`, or a JSON object {"name": ..., "path": ...,
-    "base_model_name": ...} (base_model_name optional). The folder must exist; the engine reads and
-    checks what is in it when the server starts."""
+    "base_model_name": ...} (base_model_name optional). Its form only: the server checks that the
+    folder exists before it loads the model, and the engine what is in it when it starts."""
     if "=" in text and "," not in text and not text.lstrip().startswith("{"):
         name, _, path = text.partition("=")
         module = LoRAModulePath(name.strip(), path.strip())
@@ -157,13 +157,7 @@ def lora_module(text: str) -> LoRAModulePath:
         module = LoRAModulePath(value.get("name", ""), value.get("path", ""), value.get("base_model_name"))
     if not module.name or not module.path:
         raise argparse.ArgumentTypeError(f"{text!r}: an adapter needs a name and a path (NAME=PATH)")
-    module = LoRAModulePath(module.name, os.path.expanduser(module.path), module.base_model_name)
-    if not Path(module.path).is_dir():
-        raise argparse.ArgumentTypeError(
-            f"adapter {module.name!r}: {module.path} is not a directory (the folder holding adapter_config.json "
-            "and adapter_model.safetensors)"
-        )
-    return module
+    return LoRAModulePath(module.name, os.path.expanduser(module.path), module.base_model_name)
 
 
 def network(text: str) -> str:

@@ -438,7 +438,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_lora_flags(args: argparse.Namespace) -> None:
-    """What the LoRA flags cannot say one by one: UsageError naming the flag and the fix."""
+    """What the LoRA flags cannot say one by one, and that each adapter's folder exists (before the
+    model loads): UsageError naming the flag and the fix."""
     if not args.enable_lora:
         for flag, given in (
             ("--lora-modules", args.lora_modules),
@@ -454,6 +455,11 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--lora-modules names {', '.join(map(repr, repeated))} more than once")
     served = args.served_model_name or ([Path(args.model).name] if args.model else [])
     for module in args.lora_modules:
+        if not Path(module.path).is_dir():
+            raise UsageError(
+                f"--lora-modules: adapter {module.name!r}: {module.path} is not a directory (the folder holding "
+                "adapter_config.json and adapter_model.safetensors)"
+            )
         if module.name in served:
             raise UsageError(f"--lora-modules: {module.name!r} is a --served-model-name; give the adapter another name")
         if module.base_model_name is not None and served and module.base_model_name not in served:
