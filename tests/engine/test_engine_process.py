@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +28,18 @@ from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_process import EngineLoop, HeartbeatThread
 from vlmserve.ipc import shm
 from vlmserve.ipc.contracts import EngineCoreOutput
-from vlmserve.ipc.messages import AddRequest, Heartbeat, RequestFailed, encoder, from_engine_decoder
+from vlmserve.ipc.messages import (
+    AddLoRA,
+    AddRequest,
+    Heartbeat,
+    ListLoRAs,
+    LoRAReply,
+    RemoveLoRA,
+    RequestFailed,
+    encoder,
+    from_engine_decoder,
+)
+from vlmserve.lora import LoRAError, LoRARequest
 from vlmserve.multimodal.video import VideoOptions
 from vlmserve.processor.base import ImageInput, VideoInput
 
@@ -163,3 +175,52 @@ def test_heartbeats_keep_coming_while_the_step_loop_is_busy_in_one_long_call() -
     receiver.join(10)
     pull.close(linger=0)
     context.term()  # returns only once the heartbeat thread has closed its socket
+
+
+class AdapterCore:
+    """The engine core's adapter calls (and what EngineLoop reads when it is built)."""
+
+    num_prompt_tokens = num_generation_tokens = 0
+    spec_stats = SimpleNamespace(copy=lambda: None)
+
+    def __init__(self) -> None:
+        self.loras: dict[str, LoRARequest] = {}
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if lora.lora_path.endswith("wide"):
+            raise LoRAError(f"adapter {lora.lora_name!r}: rank 64 is above max_lora_rank 16")
+        if lora.lora_path.endswith("broken"):
+            raise RuntimeError("/srv/internal/detail")
+        self.loras[lora.lora_name] = lora
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.loras.pop(lora_name, None) is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+
+def test_adapter_calls_are_answered_by_call_id_with_the_engines_reason_for_a_refusal() -> None:
+    push = Push()
+    loop = EngineLoop(AdapterCore(), None, push, os.getppid())  # type: ignore[arg-type]
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    for message in [
+        AddLoRA(1, a),
+        AddLoRA(2, b),
+        AddLoRA(3, LoRARequest("w", 3, "/adapters/wide")),
+        AddLoRA(4, LoRARequest("x", 4, "/adapters/broken")),
+        RemoveLoRA(5, "a"),
+        RemoveLoRA(6, "a"),
+        ListLoRAs(7),
+    ]:
+        loop._handle(encoder.encode(message))
+    replies = [from_engine_decoder.decode(raw) for raw in push.sent]
+    assert replies == [
+        LoRAReply(1),
+        LoRAReply(2),
+        LoRAReply(3, error="adapter 'w': rank 64 is above max_lora_rank 16"),
+        LoRAReply(4, error="the engine's adapter call raised RuntimeError"),  # our error: its text stays in the log
+        LoRAReply(5, removed=True),
+        LoRAReply(6, removed=False),
+        LoRAReply(7, loras=[b]),
+    ]
