@@ -196,7 +196,7 @@ def read_adapter(
                 f"(the attention and MLP projections of the language model, the vision tower's and "
                 f"the merger's linear layers); is the adapter for another model?"
             )
-        spec = _weight_spec(layer)
+        spec = weight_spec(layer)
         offset, size, a_local, b_local, reduce = _local_slices(layer, spec, shard, a, b, table, target)
         if a.shape[1] != _full_in(layer, spec) or b.shape[0] != _full_out(spec, shard, layer, size):
             raise LoRAError(
@@ -224,7 +224,7 @@ def _split_name(name: str, where: str) -> tuple[str, str]:
     raise LoRAError(f"{where}: {name} is not a LoRA weight (lora_A / lora_B) this engine serves")
 
 
-def _weight_spec(layer: nn.Module) -> ShardSpec | None:
+def weight_spec(layer: nn.Module) -> ShardSpec | None:
     """The tensor-parallel slice the layer holds of its checkpoint weight (quantized layers keep
     their float weight's spec as qweight's)."""
     shards: dict[str, ShardSpec] = getattr(layer, "tp_shards", {})

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from vlmserve.lora.adapter import LoadedAdapter, read_adapter
+from vlmserve.lora.adapter import LoadedAdapter, read_adapter, weight_spec
 from vlmserve.lora.layers import LoRARows, Rows, hook_layers, rows_of
 from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 from vlmserve.models.loader import WeightTable
@@ -48,6 +48,20 @@ class LoRAManager:
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.rows = LoRARows()
         self.hooked: set[str] = set()
+
+    def reserved_bytes(self) -> int:
+        """What the adapters held at once may take, for the memory plan: `capacity` adapters
+        changing every linear layer at max_lora_rank (a fused layer's parts each of that rank),
+        in the model's dtype, this rank's slices."""
+        rank, size = self.max_lora_rank, torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for name, module in self.model.named_modules():
+            if not hasattr(module, "in_features") or name.endswith("lm_head"):
+                continue
+            spec = weight_spec(module)
+            parts = len(spec.parts) if spec is not None and spec.dim == 0 else 1
+            total += (parts * module.in_features + module.out_features) * rank  # type: ignore[operator]
+        return self.capacity * total * size
 
     def add(self, lora: LoRARequest) -> AdapterInfo:
         """Read and check the adapter (again, where the one held by its name has another path or
