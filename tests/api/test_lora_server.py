@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -27,15 +28,18 @@ from safetensors.torch import load_file, save_file
 
 from tests.api.conftest import Server, start_server
 from tests.lora_adapters import LANGUAGE_MODEL, WHOLE_MODEL, write_adapter
+from vlmserve.api import engine_supervisor
 from vlmserve.api.dp_client import DataParallelClient
-from vlmserve.api.engine_supervisor import EngineDeadError
+from vlmserve.api.engine_client import EngineClient
+from vlmserve.api.engine_supervisor import EngineDeadError, EngineSupervisor
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.options import add_arguments, check_lora_flags
 from vlmserve.api.serving import ServingContext
 from vlmserve.api.serving_models import LoadLoRAAdapterRequest, ServingModels, UnloadLoRAAdapterRequest
 from vlmserve.arg_types import LoRAModulePath
+from vlmserve.engine.config import EngineConfig
 from vlmserve.errors import APIError, UsageError
-from vlmserve.ipc.messages import Stats
+from vlmserve.ipc.messages import AddLoRA, ListLoRAs, LoRAReply, RemoveLoRA, Stats
 from vlmserve.lora import LoRAError, LoRARequest
 
 CHAT = "/v1/chat/completions"
@@ -481,3 +485,32 @@ def test_lora_requests_info_is_one_series_naming_every_engines_adapters() -> Non
     assert labels == {"max_lora": "3", "running_lora_adapters": "a,b,c", "waiting_lora_adapters": "d"}
     assert value >= before
     assert b"vllm:lora_requests_info" not in Metrics("tiny", 4096).render()  # LoRA off: not published
+
+
+def test_an_engine_started_again_loads_the_adapters_the_server_holds(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    """What the engine client's adapter calls leave for the next engine process: the adapters added
+    and not removed since, on its command line (one refused is not among them)."""
+    client = EngineClient.__new__(EngineClient)
+    client.engine = EngineSupervisor(EngineConfig(model=str(tiny_dir)), "ipc://in", "ipc://out", eos_token_ids=[])
+
+    async def engine_answers(message: AddLoRA | RemoveLoRA | ListLoRAs) -> LoRAReply:
+        if isinstance(message, AddLoRA) and message.lora.lora_name == "refused":
+            return LoRAReply(message.call_id, error="rank 64 is above max_lora_rank 16")
+        return LoRAReply(message.call_id, removed=isinstance(message, RemoveLoRA))
+
+    client._lora_call = engine_answers  # type: ignore[method-assign]
+    client._call_ids = itertools.count(1)
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    asyncio.run(client.add_lora(a))
+    asyncio.run(client.add_lora(b))
+    with pytest.raises(LoRAError, match="rank 64 is above max_lora_rank 16"):
+        asyncio.run(client.add_lora(LoRARequest("refused", 3, "/adapters/refused")))
+    assert asyncio.run(client.remove_lora("a")) is True
+    commands: list[list[str]] = []
+    monkeypatch.setattr(engine_supervisor.subprocess, "Popen", lambda command, **_: commands.append(command))
+    client.engine.spawn()
+    (command,) = commands
+    given = command[command.index("--lora-modules") + 1]
+    assert msgspec.json.decode(given, type=list[LoRARequest]) == [b]
