@@ -491,7 +491,8 @@ def test_an_engine_started_again_loads_the_adapters_the_server_holds(
     monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
 ) -> None:
     """What the engine client's adapter calls leave for the next engine process: the adapters added
-    and not removed since, on its command line (one refused is not among them)."""
+    and not removed since, on its command line (one refused is not among them), and whether it is
+    a restart."""
     client = EngineClient.__new__(EngineClient)
     client.engine = EngineSupervisor(EngineConfig(model=str(tiny_dir)), "ipc://in", "ipc://out", eos_token_ids=[])
 
@@ -510,7 +511,10 @@ def test_an_engine_started_again_loads_the_adapters_the_server_holds(
     assert asyncio.run(client.remove_lora("a")) is True
     commands: list[list[str]] = []
     monkeypatch.setattr(engine_supervisor.subprocess, "Popen", lambda command, **_: commands.append(command))
-    client.engine.spawn()
-    (command,) = commands
-    given = command[command.index("--lora-modules") + 1]
-    assert msgspec.json.decode(given, type=list[LoRARequest]) == [b]
+    client.engine.spawn()  # the first start: every adapter must load
+    client.engine.was_ready = True
+    client.engine.spawn()  # a restart: one that cannot be read now is left out (the engine logs it)
+    for command, restarted in zip(commands, (False, True), strict=True):
+        given = command[command.index("--lora-modules") + 1]
+        assert msgspec.json.decode(given, type=list[LoRARequest]) == [b]
+        assert ("--restarted" in command) is restarted

@@ -6,6 +6,7 @@ offline LLM on the same checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ import zmq
 from tests.conftest import video_frame
 from vlmserve import LLM, SamplingParams
 from vlmserve.api.frontend import load_frontend
+from vlmserve.engine import engine_process
 from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
@@ -34,6 +37,7 @@ from vlmserve.ipc.messages import (
     Heartbeat,
     ListLoRAs,
     LoRAReply,
+    Ready,
     RemoveLoRA,
     RequestFailed,
     encoder,
@@ -224,3 +228,33 @@ def test_adapter_calls_are_answered_by_call_id_with_the_engines_reason_for_a_ref
         LoRAReply(6, removed=False),
         LoRAReply(7, loras=[b]),
     ]
+
+
+def test_an_adapter_that_cannot_be_read_stops_a_first_start_and_not_a_restart(
+    tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--lora-modules at the first start: a bad adapter stops it naming why; a restarted engine
+    (--restarted) leaves it out and serves (a request naming it gets the reason)."""
+    config = _engine_config(tiny_dir)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "media_limits"}
+    fields["enable_lora"] = True
+    gone = LoRARequest("gone", 1, str(tmp_path / "deleted-adapter"))
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/from-engine"
+    pull.bind(address)
+    argv = ["--config", json.dumps(fields), "--input", f"ipc://{tmp_path}/to-engine", "--output", address]
+    argv += ["--parent", "1", "--lora-modules", msgspec.json.encode([gone]).decode()]  # parent 1: exits once ready
+    try:
+        assert engine_process.main(argv) == 1
+        assert "the engine cannot start: adapter 'gone'" in caplog.text and "deleted-adapter" in caplog.text
+        assert not pull.poll(0)  # never ready
+        assert engine_process.main([*argv, "--restarted"]) == 0
+        assert "adapter 'gone'" in caplog.text and "not loaded again" in caplog.text
+        received = []  # its heartbeats, and Ready
+        while pull.poll(1000):
+            received.append(type(from_engine_decoder.decode(pull.recv())))
+        assert Ready in received
+    finally:
+        pull.close(linger=0)
+        context.term()

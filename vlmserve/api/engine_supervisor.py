@@ -95,6 +95,7 @@ class EngineSupervisor:
             json.dumps(self.eos_token_ids),
             *(["--engine-index", str(self.index)] if self.index is not None else []),
             *(["--lora-modules", msgspec.json.encode(list(self.loras.values())).decode()] if self.loras else []),
+            *(["--restarted"] if self.was_ready else []),
         ]
         self.ready.clear()
         self._spawned_at = time.monotonic()

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos-token-ids", default="[]", help="JSON list: the ids that end generation")
     parser.add_argument("--engine-index", type=int, default=None, help="its index among data-parallel engines")
     parser.add_argument("--lora-modules", default="[]", help="JSON list of LoRARequests: the adapters loaded at start")
+    parser.add_argument("--restarted", action="store_true", help="started again after a death (an adapter may fail)")
     args = parser.parse_args(argv)
     # The API process's --log-level (its environment is inherited).
     level = os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper()
@@ -277,11 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # what the user can change: the checkpoint, the budget, the limits
         logger.error("the engine cannot start: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 1
-    # The server's adapters: --lora-modules, and for a restarted engine those loaded since.
+    # The server's adapters: --lora-modules; for a restarted engine, those the server held when the
+    # last one died (one that cannot be read now is left out: a request naming it gets the reason).
     for lora in msgspec.json.decode(args.lora_modules, type=list[LoRARequest]):
         try:
             core.add_lora(lora)
         except (ValueError, OSError) as e:  # LoRAError among them
+            if args.restarted:
+                logger.warning("adapter %r (%s) not loaded again: %s", lora.lora_name, lora.lora_path, e)
+                continue
             logger.error("the engine cannot start: adapter %r (%s): %s", lora.lora_name, lora.lora_path, e)
             core.shutdown()
             return 1
