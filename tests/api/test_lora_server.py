@@ -248,9 +248,9 @@ def test_an_adapter_loaded_at_run_time_is_served_until_it_is_unloaded(
 @pytest.mark.parametrize(
     ("adapter", "status", "named"),
     [
-        ("wrong-module", 400, ["qz_proj"]),  # a target module the model lacks
-        ("rank32", 400, ["32", "16"]),  # rank 32 above --max-lora-rank 16
-        ("missing", 404, ["No adapter found", "missing"]),  # no such folder: vLLM's 404
+        ("wrong-module", 400, ["adapter 'bad' cannot be loaded", "qz_proj"]),  # a target module the model lacks
+        ("rank32", 400, ["has rank 32, above max_lora_rank 16", "--max-lora-rank"]),
+        ("missing", 404, ["No adapter found for FOLDER"]),  # no such folder: vLLM's 404
     ],
 )
 def test_an_adapter_the_engine_cannot_serve_is_refused_naming_why_and_the_server_goes_on(
@@ -265,7 +265,7 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_naming_why_and_the_server
     path = adapters.get(adapter) or adapters["sql"].parent / adapter
     answer = lora_server.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(path)})
     assert answer.status_code == status, answer.text
-    message = answer.json()["error"]["message"]
+    message = answer.json()["error"]["message"].replace(str(path), "FOLDER")  # a path may hold any word
     for word in named:
         assert word in message, message
     assert [m.id for m in client.models.list().data] == [BASE, "sql", "vision"]
@@ -386,7 +386,8 @@ def test_an_adapter_the_engine_refuses_at_start_stops_the_server_naming_it(
     finally:
         server.stop()
     log = server.log.read_text()
-    assert "adapter 'big'" in log and str(adapters["rank32"]) in log and "32" in log
+    assert f"the engine cannot start: adapter 'big' ({adapters['rank32']})" in log
+    assert "has rank 32, above max_lora_rank 16" in log.replace(str(adapters["rank32"]), "FOLDER")
 
 
 # -- the registry, the data-parallel calls and the metric, without a server ------------------------------
