@@ -14,7 +14,7 @@ from tests.lora_adapters import LANGUAGE_MODEL, VISION_TOWER, write_adapter
 from vlmserve import LLM, SamplingParams
 from vlmserve.engine.request import Request
 from vlmserve.lora import LoRAError, LoRARequest
-from vlmserve.lora.layers import rows_of
+from vlmserve.lora.layers import step_rows
 from vlmserve.multimodal.inputs import ProcessedPrompt
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -118,8 +118,13 @@ def test_the_engines_adapters(llm: LLM, adapters: dict[str, LoRARequest], tmp_pa
     assert _tokens(llm, prompt, lm)[0] == first
 
 
-def test_rows_of_takes_the_cheapest_form() -> None:
+def test_each_row_keeps_its_own_slots_columns() -> None:
     cpu = torch.device("cpu")
-    assert rows_of([0, 1, 2], 3, cpu) is None
-    assert rows_of([1, 2], 3, cpu) == slice(1, 3)
-    assert torch.equal(rows_of([0, 2], 3, cpu), torch.tensor([0, 2]))  # type: ignore[arg-type]
+    assert step_rows([-1, -1], cpu) is None
+    uniform = step_rows([1, 1, 1], cpu)
+    assert uniform is not None and uniform.slot_of_row is None and (uniform.first, uniform.last) == (1, 1)
+    mixed = step_rows([0, -1, 2], cpu)
+    assert mixed is not None and (mixed.first, mixed.last) == (0, 2)
+    # Slots 0..2 of 2 columns each: row 0 slot 0's, row 1 none, row 2 slot 2's.
+    expected = torch.tensor([[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.float32)
+    assert torch.equal(mixed.mask(2, torch.float32), expected)
