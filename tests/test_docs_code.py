@@ -224,6 +224,7 @@ NOT_RUN = {
     "echo": "edits the local git exclude file",
     "nvidia-smi": "needs a GPU",
     "tee": "keeps a copy of the output",
+    "curl": "calls a running server (the example's adapters are not there)",
     "exit": "stops the script when the install before it failed",
     "venv": "runs another project's environment (vLLM's, llama.cpp's) with its own install",
     "python script": "runs llama.cpp's own converter, from its source tree",

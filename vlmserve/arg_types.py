@@ -8,6 +8,7 @@ import argparse
 import ipaddress
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,54 @@ def speculative_config(text: str) -> dict[str, object]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter of `--lora-modules` (vLLM's LoRAModulePath): what requests call it, its folder
+    (adapter_config.json + adapter_model.safetensors), and the served model it is listed under
+    (None: the first served name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+LORA_MODULE_FIELDS = ("name", "path", "base_model_name")
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    """vLLM's --lora-modules word: `name=path`, or a JSON object {"name": ..., "path": ...,
+    "base_model_name": ...} (base_model_name optional). Its form only: the server checks that the
+    folder exists before it loads the model, and the engine what is in it when it starts."""
+    if "=" in text and "," not in text and not text.lstrip().startswith("{"):
+        name, _, path = text.partition("=")
+        module = LoRAModulePath(name.strip(), path.strip())
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(
+                f'expected NAME=PATH or a JSON object like \'{{"name": "sql", "path": "/adapters/sql"}}\', got {text!r}'
+            )
+        unknown = sorted(set(value) - set(LORA_MODULE_FIELDS))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: unknown field {', '.join(map(repr, unknown))} (the fields: {', '.join(LORA_MODULE_FIELDS)})"
+            )
+        for key in LORA_MODULE_FIELDS:
+            if (
+                key in value
+                and not isinstance(value[key], str)
+                and not (key == "base_model_name" and value[key] is None)
+            ):
+                raise argparse.ArgumentTypeError(f"{text!r}: {key} must be a string, got {value[key]!r}")
+        module = LoRAModulePath(value.get("name", ""), value.get("path", ""), value.get("base_model_name"))
+    if not module.name or not module.path:
+        raise argparse.ArgumentTypeError(f"{text!r}: an adapter needs a name and a path (NAME=PATH)")
+    return LoRAModulePath(module.name, os.path.expanduser(module.path), module.base_model_name)
 
 
 def network(text: str) -> str:

@@ -6,13 +6,16 @@ offline LLM on the same checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -21,13 +24,26 @@ import zmq
 from tests.conftest import video_frame
 from vlmserve import LLM, SamplingParams
 from vlmserve.api.frontend import load_frontend
+from vlmserve.engine import engine_process
 from vlmserve.engine.checkpoint import load_engine_model
 from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.engine_process import EngineLoop, HeartbeatThread
 from vlmserve.ipc import shm
 from vlmserve.ipc.contracts import EngineCoreOutput
-from vlmserve.ipc.messages import AddRequest, Heartbeat, RequestFailed, encoder, from_engine_decoder
+from vlmserve.ipc.messages import (
+    AddLoRA,
+    AddRequest,
+    Heartbeat,
+    ListLoRAs,
+    LoRAReply,
+    Ready,
+    RemoveLoRA,
+    RequestFailed,
+    encoder,
+    from_engine_decoder,
+)
+from vlmserve.lora import LoRAError, LoRARequest
 from vlmserve.multimodal.video import VideoOptions
 from vlmserve.processor.base import ImageInput, VideoInput
 
@@ -163,3 +179,82 @@ def test_heartbeats_keep_coming_while_the_step_loop_is_busy_in_one_long_call() -
     receiver.join(10)
     pull.close(linger=0)
     context.term()  # returns only once the heartbeat thread has closed its socket
+
+
+class AdapterCore:
+    """The engine core's adapter calls (and what EngineLoop reads when it is built)."""
+
+    num_prompt_tokens = num_generation_tokens = 0
+    spec_stats = SimpleNamespace(copy=lambda: None)
+
+    def __init__(self) -> None:
+        self.loras: dict[str, LoRARequest] = {}
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if lora.lora_path.endswith("wide"):
+            raise LoRAError(f"adapter {lora.lora_name!r}: rank 64 is above max_lora_rank 16")
+        if lora.lora_path.endswith("broken"):
+            raise RuntimeError("/srv/internal/detail")
+        self.loras[lora.lora_name] = lora
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.loras.pop(lora_name, None) is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
+
+def test_adapter_calls_are_answered_by_call_id_with_the_engines_reason_for_a_refusal() -> None:
+    push = Push()
+    loop = EngineLoop(AdapterCore(), None, push, os.getppid())  # type: ignore[arg-type]
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")
+    for message in [
+        AddLoRA(1, a),
+        AddLoRA(2, b),
+        AddLoRA(3, LoRARequest("w", 3, "/adapters/wide")),
+        AddLoRA(4, LoRARequest("x", 4, "/adapters/broken")),
+        RemoveLoRA(5, "a"),
+        RemoveLoRA(6, "a"),
+        ListLoRAs(7),
+    ]:
+        loop._handle(encoder.encode(message))
+    replies = [from_engine_decoder.decode(raw) for raw in push.sent]
+    assert replies == [
+        LoRAReply(1),
+        LoRAReply(2),
+        LoRAReply(3, error="adapter 'w': rank 64 is above max_lora_rank 16"),
+        LoRAReply(4, error="the engine's adapter call raised RuntimeError"),  # our error: its text stays in the log
+        LoRAReply(5, removed=True),
+        LoRAReply(6, removed=False),
+        LoRAReply(7, loras=[b]),
+    ]
+
+
+def test_an_adapter_that_cannot_be_read_stops_a_first_start_and_not_a_restart(
+    tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--lora-modules at the first start: a bad adapter stops it naming why; a restarted engine
+    (--restarted) leaves it out and serves (a request naming it gets the reason)."""
+    config = _engine_config(tiny_dir)
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "media_limits"}
+    fields["enable_lora"] = True
+    gone = LoRARequest("gone", 1, str(tmp_path / "deleted-adapter"))
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/from-engine"
+    pull.bind(address)
+    argv = ["--config", json.dumps(fields), "--input", f"ipc://{tmp_path}/to-engine", "--output", address]
+    argv += ["--parent", "1", "--lora-modules", msgspec.json.encode([gone]).decode()]  # parent 1: exits once ready
+    try:
+        assert engine_process.main(argv) == 1
+        assert "the engine cannot start: adapter 'gone'" in caplog.text and "deleted-adapter" in caplog.text
+        assert not pull.poll(0)  # never ready
+        assert engine_process.main([*argv, "--restarted"]) == 0
+        assert "adapter 'gone'" in caplog.text and "not loaded again" in caplog.text
+        received = []  # its heartbeats, and Ready
+        while pull.poll(1000):
+            received.append(type(from_engine_decoder.decode(pull.recv())))
+        assert Ready in received
+    finally:
+        pull.close(linger=0)
+        context.term()

@@ -2,7 +2,8 @@
 
 Routes: GET / (the chat page, web_ui.py; off with --disable-web-ui), POST /v1/chat/completions,
 POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/{id} (serving_responses.py),
-GET /v1/models, GET /health, GET /metrics,
+GET /v1/models (the served model, then its LoRA adapters), GET /health, GET /metrics, with
+--allow-runtime-lora-updating POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_models.py),
 and vLLM's: POST /tokenize, POST /detokenize, POST /invocations (SageMaker's: a chat or a
 completions body, told apart by its shape), GET|POST /ping, GET /version, GET /load. Paths are
 matched below the ASGI root_path (`--root-path`, for a proxy that serves the API under a prefix).
@@ -31,12 +32,12 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.api.browser_guard import cors, host_check, json_only
-from vlmserve.api.engine_client import request_owner
+from vlmserve.api.engine_client import request_lora, request_owner
 from vlmserve.api.json_limits import JSONLimitError, check_json_limits, loads_bounded
 from vlmserve.api.prompts import PromptBuilder
 from vlmserve.api.protocol import (
@@ -52,6 +53,7 @@ from vlmserve.api.responses_protocol import ResponsesRequest
 from vlmserve.api.serving import ServingContext, request_arrival
 from vlmserve.api.serving_chat import ChatServing
 from vlmserve.api.serving_completion import CompletionServing
+from vlmserve.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from vlmserve.api.serving_responses import ResponsesServing
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.api.web_ui import WEB_PATHS
@@ -268,10 +270,13 @@ def build_app(
     web_ui: bool = True,
     allowed_hosts: frozenset[str] | None = None,
     allowed_origins: list[str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> tuple[FastAPI, ASGIApp]:
     """The FastAPI app and the ASGI app to serve (the app behind its middleware); `web_ui`: the
     chat page at / (web_ui.py), open without the API key (the page asks for it);
-    `allowed_hosts` (None: any) and `allowed_origins` (CORS; none by default): browser_guard.py."""
+    `allowed_hosts` (None: any) and `allowed_origins` (CORS; none by default): browser_guard.py;
+    `allow_runtime_lora_updating`: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    (serving_models.py; without it they are 404s)."""
     app = FastAPI(title="vlmserve", version=__version__, docs_url=None, redoc_url=None)
     prompt_builder = PromptBuilder(ctx)
     chat_serving = ChatServing(ctx)
@@ -366,17 +371,29 @@ def build_app(
                     },
                 }
                 for name in ctx.served_model_names or (ctx.model_name,)
-            ],
+            ]
+            + ctx.models.cards(created),
         }
 
-    def arrived() -> None:
-        """The request being served: when it arrived (its metrics) and who it is (the engine's fair share)."""
+    if allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await ctx.models.load(body))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await ctx.models.unload(body))
+
+    def arrived(model: str | None) -> None:
+        """The request being served: when it arrived (its metrics), who it is (the engine's fair
+        share) and the adapter its `model` names (None: the base model; 404 for an unknown name)."""
         request_arrival.set(time.monotonic())
         request_owner.set(uuid.uuid4().hex)
+        request_lora.set(ctx.check_model(model))
 
     async def run_chat(body: ChatCompletionRequest, request: Request) -> Response:
-        arrived()
-        ctx.check_model(body.model)
+        arrived(body.model)
         parsing = chat_serving.parsing(body)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
         if body.stream:
@@ -385,8 +402,7 @@ def build_app(
         return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params, parsing)))
 
     async def run_completions(body: CompletionRequest, request: Request) -> Response:
-        arrived()
-        ctx.check_model(body.model)
+        arrived(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
             stream = await _until_disconnected(request, completion_serving.stream(body, prompts, params))
@@ -403,8 +419,7 @@ def build_app(
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        arrived()
-        ctx.check_model(body.model)
+        arrived(body.model)
         run = responses_serving.prepare(body)
         prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
         if body.stream:

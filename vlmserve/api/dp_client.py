@@ -31,6 +31,7 @@ from vlmserve.api.metrics import Metrics
 from vlmserve.engine.config import EngineConfig, resolve_device
 from vlmserve.engine.memory import default_budget
 from vlmserve.errors import UserError
+from vlmserve.lora.request import LoRAError, LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -70,8 +71,10 @@ class DataParallelClient:
         heartbeat_timeout_s: float = 10.0,
         stall_timeout_s: float = 60.0,
         metrics: Metrics | None = None,
+        loras: list[LoRARequest] | None = None,
     ) -> None:
-        """`metrics`: where each engine's per-request timings go (its `engine` label)."""
+        """`metrics`: where each engine's per-request timings go (its `engine` label); `loras`: the
+        adapters every engine loads when it starts (--lora-modules)."""
         self.frontend = frontend
         configs, engine_threads = engine_configs(config, size, threads)
         if size > 1:
@@ -95,6 +98,8 @@ class DataParallelClient:
             )
             for k, engine_config in enumerate(configs)
         ]
+        for engine in self.engines:
+            engine.engine.loras = {lora.lora_name: lora for lora in loras or []}
         self.router = DataParallelRouter(size)
 
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -126,6 +131,24 @@ class DataParallelClient:
         if len(reasons) == 1:
             return reasons[0]
         return "no engine can take requests: " + "; ".join(f"engine {k}: {r}" for k, r in enumerate(reasons))
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Into every engine, or none: where one refuses it, those that took it drop it again."""
+        results = await asyncio.gather(*(engine.add_lora(lora) for engine in self.engines), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            took = [engine for engine, r in zip(self.engines, results, strict=True) if r is None]
+            await asyncio.gather(*(engine.remove_lora(lora.lora_name) for engine in took), return_exceptions=True)
+            raise next((e for e in errors if isinstance(e, LoRAError)), errors[0])
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """From every engine; False where none held it."""
+        removed = await asyncio.gather(*(engine.remove_lora(lora_name) for engine in self.engines))
+        return any(removed)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the first engine holds (every engine is given the same)."""
+        return await self.engines[0].list_loras()
 
     async def generate(
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import shutil
@@ -37,9 +38,13 @@ from vlmserve.engine.config import EngineConfig
 from vlmserve.ipc import shm, token_handles
 from vlmserve.ipc.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequest,
     Heartbeat,
+    ListLoRAs,
+    LoRAReply,
     Ready,
+    RemoveLoRA,
     RequestFailed,
     Shutdown,
     Stats,
@@ -47,6 +52,7 @@ from vlmserve.ipc.messages import (
     encoder,
     from_engine_decoder,
 )
+from vlmserve.lora.request import LoRAError, LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -56,6 +62,9 @@ from vlmserve.sampling_params import SamplingParams
 # NOTE: a context variable, as serving.request_arrival, so that beam search and the data-parallel
 # router pass it on untouched.
 request_owner: ContextVar[str | None] = ContextVar("request_owner", default=None)
+# The adapter the request being served runs with (its `model` named one), set by its endpoint;
+# None: the base model. A context variable for the same reason.
+request_lora: ContextVar[LoRARequest | None] = ContextVar("request_lora", default=None)
 
 logger = logging.getLogger("vlmserve.api")
 
@@ -114,6 +123,9 @@ class EngineClient:
             index=index,
         )
         self._reader: asyncio.Task[None] | None = None
+        # Adapter calls awaiting the engine's LoRAReply, by call id.
+        self._lora_calls: dict[int, asyncio.Future[LoRAReply]] = {}
+        self._call_ids = itertools.count(1)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -136,6 +148,8 @@ class EngineClient:
                 await self.engine.join(0)
         if self._reader is not None:
             self._reader.cancel()
+        for call in self._lora_calls.values():
+            call.cancel()
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._context.term()
@@ -190,7 +204,7 @@ class EngineClient:
             self.request_stats.add(request_id, child_ids, prompt.num_tokens, max_tokens, arrival)
             children = [params.for_child(i) for i in range(len(child_ids))]
             owner = request_owner.get() or request_id
-            message = AddRequest(request_id, child_ids, children, wire_prompt, segments, owner)
+            message = AddRequest(request_id, child_ids, children, wire_prompt, segments, owner, request_lora.get())
             await self._push.send(encoder.encode(message))
             while True:
                 output = await queue.get()
@@ -215,6 +229,41 @@ class EngineClient:
         # Queued for an engine that is only silent: it drops the request if it comes back.
         if child_ids and self.engine.healthy:
             await self._push.send(encoder.encode(AbortRequests(child_ids)))
+
+    # -- adapters ---------------------------------------------------------------------------------
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter into the engine (a restarted engine loads it again); LoRAError naming
+        what is wrong when it cannot be served, EngineDeadError when the engine is down."""
+        reply = await self._lora_call(AddLoRA(next(self._call_ids), lora))
+        if reply.error:
+            raise LoRAError(reply.error)
+        self.engine.loras[lora.lora_name] = lora
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter from the engine; False where it held none of that name."""
+        self.engine.loras.pop(lora_name, None)
+        reply = await self._lora_call(RemoveLoRA(next(self._call_ids), lora_name))
+        if reply.error:
+            raise LoRAError(reply.error)
+        return reply.removed
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine holds, in load order."""
+        reply = await self._lora_call(ListLoRAs(next(self._call_ids)))
+        return reply.loras
+
+    async def _lora_call(self, message: AddLoRA | RemoveLoRA | ListLoRAs) -> LoRAReply:
+        reason = self.unavailable_reason
+        if reason is not None:
+            raise EngineDeadError(reason)
+        reply: asyncio.Future[LoRAReply] = asyncio.get_running_loop().create_future()
+        self._lora_calls[message.call_id] = reply
+        try:
+            await self._push.send(encoder.encode(message))
+            return await reply
+        finally:
+            self._lora_calls.pop(message.call_id, None)
 
     # -- engine output ----------------------------------------------------------------------------
 
@@ -263,6 +312,10 @@ class EngineClient:
         elif isinstance(message, Stats):
             if self.engine.ready.is_set():  # not the last words of a dead engine, read after its death
                 self.stats = message
+        elif isinstance(message, LoRAReply):
+            call = self._lora_calls.get(message.call_id)
+            if call is not None and not call.done():
+                call.set_result(message)
         elif isinstance(message, Heartbeat):
             self.engine.heartbeat(message.pid)
         elif isinstance(message, Ready):
@@ -280,6 +333,9 @@ class EngineClient:
         for request_id, queue in list(self.queues.items()):
             self.outputs.abort(request_id)
             queue.put_nowait(EngineDeadError(f"{self.engine.name} process {what} while serving this request"))
+        for call in self._lora_calls.values():
+            if not call.done():
+                call.set_exception(EngineDeadError(f"{self.engine.name} process {what} before it answered"))
         for names in self.segments.values():
             for name in names:
                 shm.unlink(name)

@@ -21,7 +21,10 @@ import subprocess
 import sys
 import time
 
+import msgspec
+
 from vlmserve.engine.config import EngineConfig
+from vlmserve.lora.request import LoRARequest
 
 logger = logging.getLogger("vlmserve.api")
 
@@ -58,6 +61,8 @@ class EngineSupervisor:
         self.input_address = input_address  # the engine pulls requests here
         self.output_address = output_address  # and pushes its outputs here
         self.threads = threads
+        # The adapters an engine loads when it starts (a restarted one too): the server's, by name.
+        self.loras: dict[str, LoRARequest] = {}
         self.max_restarts = max_restarts
         self.restarts = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -89,6 +94,8 @@ class EngineSupervisor:
             "--eos-token-ids",
             json.dumps(self.eos_token_ids),
             *(["--engine-index", str(self.index)] if self.index is not None else []),
+            *(["--lora-modules", msgspec.json.encode(list(self.loras.values())).decode()] if self.loras else []),
+            *(["--restarted"] if self.was_ready else []),
         ]
         self.ready.clear()
         self._spawned_at = time.monotonic()

@@ -81,7 +81,10 @@ class _Families:
 
 
 class Metrics:
-    def __init__(self, model_name: str = "", max_model_len: int = 4096, num_engines: int = 1) -> None:
+    def __init__(
+        self, model_name: str = "", max_model_len: int = 4096, num_engines: int = 1, max_loras: int | None = None
+    ) -> None:
+        """`max_loras`: --max-loras with LoRA enabled (then vllm:lora_requests_info is published), else None."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("vlmserve_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -110,6 +113,7 @@ class Metrics:
             VllmMetrics(r, model_name, max_model_len, engine=str(k), families=families) for k in range(num_engines)
         ]
         self.vllm = self.vllm_engines[0]
+        self.lora_info = None if max_loras is None else LoRARequestsInfo(r, max_loras, num_engines)
 
     def update_engine(self, stats: Stats | None, restarts: int, engine: int = 0, ready: bool = True) -> None:
         """Engine `engine`'s numbers: its latest stats (None while it does not run), its restarts,
@@ -128,9 +132,35 @@ class Metrics:
         self.encoder_misses.labels(label).set(stats.encoder_cache_misses)
         self.preemptions.labels(label).set(stats.preemptions)
         self.vllm_engines[engine].update_engine(stats)
+        if self.lora_info is not None:
+            self.lora_info.update(engine, stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoRARequestsInfo:
+    """vLLM's vllm:lora_requests_info: one series whose labels name the adapters of the running and
+    of the waiting requests (each once, comma-separated; of all engines together) and max_lora, and
+    whose value is the time it was last set (Unix seconds), as vLLM sets it each step; the previous
+    combination's series is dropped, so the one series there is is the current one."""
+
+    def __init__(self, r: CollectorRegistry, max_loras: int, num_engines: int) -> None:
+        self.gauge = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
+        self.max_lora = str(max_loras)
+        self.engines: list[tuple[list[str], list[str]]] = [([], [])] * num_engines
+
+    def update(self, engine: int, stats: Stats) -> None:
+        self.engines[engine] = (stats.running_lora_adapters, stats.waiting_lora_adapters)
+        running = dict.fromkeys(name for names, _ in self.engines for name in names)
+        waiting = dict.fromkeys(name for _, names in self.engines for name in names)
+        self.gauge.clear()
+        self.gauge.labels(self.max_lora, ",".join(waiting), ",".join(running)).set_to_current_time()
 
 
 class VllmMetrics:

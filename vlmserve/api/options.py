@@ -7,6 +7,7 @@ import argparse
 import errno
 import os
 import socket
+from pathlib import Path
 
 from vlmserve.api import browser_guard
 from vlmserve.arg_types import (
@@ -15,6 +16,7 @@ from vlmserve.arg_types import (
     existing_dir,
     fraction,
     limit_mm_per_prompt,
+    lora_module,
     max_logprobs,
     network,
     non_negative_int,
@@ -148,6 +150,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' (drafts from the request\'s own tokens) or \'{"method": "mtp", '
         "\"num_speculative_tokens\": 2}' (a checkpoint's multi-token-prediction head)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT's format) over the model: a request's `model` names one (vLLM's)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters loaded at start, each NAME=PATH or vLLM\'s JSON \'{"name": "sql", "path": "/adapters/sql", '
+        '"base_model_name": "..."}\'; a request\'s model NAME runs with it; needs --enable-lora',
+    )
+    p.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=1,
+        help="adapters that may run in one engine step (each request its own or none; vLLM's)",
+    )
+    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="the largest adapter rank served (vLLM's)")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters kept loaded, the least recently used dropped first and read again from their folder when "
+        "asked for (at least --max-loras; default: --max-loras; vLLM's)",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, which it turns on with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora",
     )
     p.add_argument(
         "--limit-mm-per-prompt",
@@ -399,6 +435,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve no chat page at / (by default a browser there gets one that talks to this server's API)",
     )
     p.add_argument("--log-level", type=str.lower, default="info", choices=LOG_LEVELS, help="log level")
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """What the LoRA flags cannot say one by one, and that each adapter's folder exists (before the
+    model loads): UsageError naming the flag and the fix."""
+    if not args.enable_lora:
+        for flag, given in (
+            ("--lora-modules", args.lora_modules),
+            ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating),
+        ):
+            if given:
+                raise UsageError(f"{flag} needs --enable-lora")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise UsageError(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras ({args.max_loras})")
+    names = [module.name for module in args.lora_modules]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"--lora-modules names {', '.join(map(repr, repeated))} more than once")
+    served = args.served_model_name or ([Path(args.model).name] if args.model else [])
+    for module in args.lora_modules:
+        if not Path(module.path).is_dir():
+            raise UsageError(
+                f"--lora-modules: adapter {module.name!r}: {module.path} is not a directory (the folder holding "
+                "adapter_config.json and adapter_model.safetensors)"
+            )
+        if module.name in served:
+            raise UsageError(f"--lora-modules: {module.name!r} is a --served-model-name; give the adapter another name")
+        if module.base_model_name is not None and served and module.base_model_name not in served:
+            raise UsageError(
+                f"--lora-modules: adapter {module.name!r} names base_model_name {module.base_model_name!r}, "
+                f"which is not served (--served-model-name: {', '.join(served)})"
+            )
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -42,12 +42,13 @@ from vlmserve.api.engine_supervisor import EngineDeadError
 from vlmserve.api.fetch import FetchPolicy
 from vlmserve.api.frontend import load_frontend
 from vlmserve.api.metrics import Metrics
-from vlmserve.api.options import add_arguments, bind, listen
+from vlmserve.api.options import add_arguments, bind, check_lora_flags, listen
 from vlmserve.api.serving import ServingContext
+from vlmserve.api.serving_models import ServingModels
 from vlmserve.arg_types import network_and_port, parallel_options
 from vlmserve.engine.banner import log_banner
 from vlmserve.engine.config import EngineConfig
-from vlmserve.errors import UserError
+from vlmserve.errors import UsageError, UserError
 from vlmserve.ipc import shm
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.parser_names import TOOL_CALL_PARSERS
@@ -105,6 +106,10 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         max_grammar_compile_seconds=args.max_grammar_compile_seconds,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         **parallel_options(args),
         rank_stall_timeout_s=args.engine_stall_timeout,
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},
@@ -123,7 +128,14 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
     shm.set_max_bytes(args.max_shm_bytes)
     frontend = load_frontend(config)
     names = tuple(args.served_model_name or [Path(args.model).name])
-    metrics = Metrics(names[0], frontend.max_model_len, args.data_parallel_size)
+    metrics = Metrics(
+        names[0],
+        frontend.max_model_len,
+        args.data_parallel_size,
+        max_loras=args.max_loras if args.enable_lora else None,
+    )
+    models = ServingModels(None, names)
+    loras = models.add_static(args.lora_modules)
     client = DataParallelClient(
         config,
         frontend,
@@ -133,7 +145,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
         stall_timeout_s=args.engine_stall_timeout,
         metrics=metrics,
+        loras=loras,
     )
+    models.engines = client
     ctx = ServingContext(
         frontend=frontend,
         client=client,
@@ -158,6 +172,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         responses_store_max_bytes=getattr(args, "responses_store_max_bytes", 256 << 20),
         chat_template=chat_template,
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        models=models,
         **_what_to_ask(args.model),
     )
     hosts = browser_guard.allowed_hosts(args.host, getattr(args, "allowed_hosts", []))
@@ -176,6 +191,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         web_ui=not args.disable_web_ui,
         allowed_hosts=hosts,
         allowed_origins=[origin for given in getattr(args, "allowed_origins", []) for origin in given],
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
 
     @contextlib.asynccontextmanager
@@ -364,4 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.engine_stall_timeout < args.engine_heartbeat_timeout:
         parser.error("--engine-stall-timeout must be at least --engine-heartbeat-timeout")
+    try:
+        check_lora_flags(args)
+    except UsageError as e:
+        parser.error(str(e))
     return run(args)

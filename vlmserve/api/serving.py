@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vlmserve.api.beam_search import BeamSearchParams
 from vlmserve.api.dp_client import DataParallelClient
-from vlmserve.api.engine_client import RequestFailedInEngine, RequestRefused
+from vlmserve.api.engine_client import RequestFailedInEngine, RequestRefused, request_lora
 from vlmserve.api.engine_supervisor import EngineDeadError
 from vlmserve.api.fetch import FetchPolicy
 from vlmserve.api.frontend import Frontend
@@ -21,6 +21,8 @@ from vlmserve.api.media_cache import MediaUUIDCache
 from vlmserve.api.metrics import Metrics
 from vlmserve.api.protocol import APIError, _SamplingFields, check_text
 from vlmserve.api.serving_beam import beam_search, beam_search_params
+from vlmserve.api.serving_models import ServingModels
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -65,6 +67,8 @@ class ServingContext:
     # The Responses API's store (response_store.py): the most recent responses kept, and their bytes.
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 256 << 20
+    # The LoRA adapters a request's `model` may name besides (--lora-modules, /v1/load_lora_adapter).
+    models: ServingModels = field(default_factory=lambda: ServingModels(None, ()))
     # Media sent with a uuid, reusable by it (vLLM's media uuids).
     media_uuids: MediaUUIDCache = field(default_factory=MediaUUIDCache)
     # What /v1/models tells a client the model can be asked (the chat page's empty conversation):
@@ -76,14 +80,24 @@ class ServingContext:
         "Locate every object in the picture and give its bounding box.",
     )
 
-    def check_model(self, name: str | None) -> None:
-        """A request names a served model or none (the served one, as in vLLM); any other name is
-        a 404 in vLLM's words, the name shown truncated."""
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """A request names a served model or none (the served one, as in vLLM): None; or an
+        adapter: the one it runs with. Any other name is a 404 in vLLM's words, the name shown
+        truncated."""
         if name is None or name in (self.served_model_names or (self.model_name,)):
-            return
+            return None
+        lora = self.models.get(name)
+        if lora is not None:
+            return lora
         check_text(name, "model")  # echoed below: it must encode
         shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "..."
         raise APIError(404, f"The model `{shown}` does not exist.", "model", "model_not_found", "NotFoundError")
+
+    def response_model(self) -> str:
+        """The name a response carries: the adapter's the request runs with, else the served
+        model's (vLLM's)."""
+        lora = request_lora.get()
+        return self.model_name if lora is None else lora.lora_name
 
 
 class EngineServing:

@@ -53,7 +53,7 @@ class ChatServing(EngineServing):
             "id": response_id("chatcmpl", body.request_id, request_id),
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(),
             "choices": [
                 {
                     "index": c.index,
@@ -91,7 +91,7 @@ class ChatServing(EngineServing):
             "id": response_id("chatcmpl", body.request_id, request_id),
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(),
         }
         final: list[RequestOutput] = []  # the last output, once there is one
         return sse_stream(

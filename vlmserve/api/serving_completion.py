@@ -65,7 +65,7 @@ class CompletionServing(EngineServing):
             "id": response_id("cmpl", body.request_id, request_id),
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(),
             "choices": choices,
             "usage": _total_usage(prompts, finals),
             "vlmserve": extension(prompts, self.grounding_convention, with_prompt_index=True, finals=finals),
@@ -79,7 +79,7 @@ class CompletionServing(EngineServing):
             "id": response_id("cmpl", body.request_id, request_id),
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(),
         }
         finals: dict[int, RequestOutput] = {}
 

@@ -136,7 +136,7 @@ class ResponsesServing(EngineServing):
             "created_at": run.created_at,
             "status": status,
             "completed_at": int(time.time()) if final is not None else None,
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(),
             "output": output,
             "instructions": body.instructions,
             "previous_response_id": body.previous_response_id,

@@ -33,9 +33,13 @@ from vlmserve.engine.stat_logger import StatLogger
 from vlmserve.ipc import shm, token_handles
 from vlmserve.ipc.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequest,
     Heartbeat,
+    ListLoRAs,
+    LoRAReply,
     Ready,
+    RemoveLoRA,
     RequestFailed,
     Shutdown,
     Stats,
@@ -43,6 +47,7 @@ from vlmserve.ipc.messages import (
     encoder,
     to_engine_decoder,
 )
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 
@@ -157,15 +162,33 @@ class EngineLoop:
             self.core.finish_requests(message.request_ids, status)
             for request_id in message.request_ids:
                 self.parents.pop(request_id, None)
+        elif isinstance(message, AddLoRA | RemoveLoRA | ListLoRAs):
+            self.push.send(encoder.encode(self._lora_call(message)))
         elif isinstance(message, Shutdown):
             self.running = False
+
+    def _lora_call(self, call: AddLoRA | RemoveLoRA | ListLoRAs) -> LoRAReply:
+        """An adapter call, answered between steps. An adapter that cannot be served is the
+        caller's error (its message goes back); any other error is ours, logged, and named by type."""
+        try:
+            if isinstance(call, AddLoRA):
+                self.core.add_lora(call.lora)
+                return LoRAReply(call.call_id)
+            if isinstance(call, RemoveLoRA):
+                return LoRAReply(call.call_id, removed=self.core.remove_lora(call.lora_name))
+            return LoRAReply(call.call_id, loras=self.core.list_loras())
+        except (ValueError, OSError) as e:  # LoRAError among them: a missing file, a wrong shape...
+            return LoRAReply(call.call_id, error=str(e))
+        except Exception as e:
+            logger.exception("adapter call %s failed", type(call).__name__)
+            return LoRAReply(call.call_id, error=f"the engine's adapter call raised {type(e).__name__}")
 
     def _add(self, message: AddRequest) -> None:
         try:
             prompt = self._prompt(message)
             self.core.check_fits(prompt)
             for child_id, params in zip(message.child_ids, message.params, strict=True):
-                self.core.add_request(child_id, prompt, params, message.owner)
+                self.core.add_request(child_id, prompt, params, message.owner, lora_request=message.lora_request)
             for child_id in message.child_ids:
                 self.parents[child_id] = (message.request_id, list(message.child_ids))
             self._answer_refused()
@@ -197,6 +220,7 @@ class EngineLoop:
 
     def _send_stats(self) -> None:
         sched = self.core.scheduler
+        running_loras, waiting_loras = self.core.lora_requests_info() if self.core.config.enable_lora else ([], [])
         self.push.send(
             encoder.encode(
                 Stats(
@@ -208,6 +232,9 @@ class EngineLoop:
                     encoder_cache_hits=sched.encoder_cache.hits,
                     encoder_cache_misses=sched.encoder_cache.misses,
                     preemptions=sched.num_preemptions,
+                    # each name once, as vLLM's labels list them
+                    running_lora_adapters=list(dict.fromkeys(running_loras)),
+                    waiting_lora_adapters=list(dict.fromkeys(waiting_loras)),
                 )
             )
         )
@@ -235,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--eos-token-ids", default="[]", help="JSON list: the ids that end generation")
     parser.add_argument("--engine-index", type=int, default=None, help="its index among data-parallel engines")
+    parser.add_argument("--lora-modules", default="[]", help="JSON list of LoRARequests: the adapters loaded at start")
+    parser.add_argument("--restarted", action="store_true", help="started again after a death (an adapter may fail)")
     args = parser.parse_args(argv)
     # The API process's --log-level (its environment is inherited).
     level = os.environ.get("VLMSERVE_LOG_LEVEL", "info").upper()
@@ -249,6 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # what the user can change: the checkpoint, the budget, the limits
         logger.error("the engine cannot start: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 1
+    # The server's adapters: --lora-modules; for a restarted engine, those the server held when the
+    # last one died (one that cannot be read now is left out: a request naming it gets the reason).
+    for lora in msgspec.json.decode(args.lora_modules, type=list[LoRARequest]):
+        try:
+            core.add_lora(lora)
+        except (ValueError, OSError) as e:  # LoRAError among them
+            if args.restarted:
+                logger.warning("adapter %r (%s) not loaded again: %s", lora.lora_name, lora.lora_path, e)
+                continue
+            logger.error("the engine cannot start: adapter %r (%s): %s", lora.lora_name, lora.lora_path, e)
+            core.shutdown()
+            return 1
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(args.input)

@@ -86,11 +86,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vlmserve.api.options import bind
+    from vlmserve.api.options import bind, check_lora_flags
 
     _check_model(args.model)
     if args.engine_stall_timeout < args.engine_heartbeat_timeout:
         raise UsageError("--engine-stall-timeout must be at least --engine-heartbeat-timeout")
+    check_lora_flags(args)
     sock = bind(args.host, args.port)  # before the model loads: a busy port is said at once
     if args.debug:
         args.log_level = "debug"

@@ -11,6 +11,7 @@ import msgspec
 
 from vlmserve.ipc import serial, shm
 from vlmserve.ipc.contracts import EngineCoreOutput
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # Whom the engine shares its steps among (the HTTP request, else the request itself: the engine
     # client names it; see vlmserve.engine.scheduler).
     owner: str = ""
+    # The adapter every sample runs with (the request's `model` named it); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -39,7 +42,23 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-ToEngine = Union[AddRequest, AbortRequests, Shutdown]  # noqa: UP007 (msgspec reads the Union)
+# The adapter calls (EngineCore.add_lora, remove_lora, list_loras): each is answered by a LoRAReply
+# with its call_id, between steps.
+class AddLoRA(msgspec.Struct, frozen=True, tag="add_lora"):
+    call_id: int
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, frozen=True, tag="remove_lora"):
+    call_id: int
+    lora_name: str
+
+
+class ListLoRAs(msgspec.Struct, frozen=True, tag="list_loras"):
+    call_id: int
+
+
+ToEngine = Union[AddRequest, AbortRequests, Shutdown, AddLoRA, RemoveLoRA, ListLoRAs]  # noqa: UP007 (msgspec reads the Union)
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
@@ -77,6 +96,20 @@ class Stats(msgspec.Struct, frozen=True, tag="stats"):
     encoder_cache_hits: int
     encoder_cache_misses: int
     preemptions: int
+    # The adapters of the running and of the waiting requests (EngineCore.lora_requests_info), each
+    # name once, for vllm:lora_requests_info; empty without LoRA.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+
+
+class LoRAReply(msgspec.Struct, frozen=True, tag="lora_reply"):
+    """The answer to the adapter call of the same call_id: `error`, the LoRAError's message ("" if
+    it succeeded); `removed`, RemoveLoRA's answer; `loras`, ListLoRAs' (in load order)."""
+
+    call_id: int
+    error: str = ""
+    removed: bool = False
+    loras: list[LoRARequest] = []
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -86,7 +119,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     pid: int
 
 
-FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats, Heartbeat]  # noqa: UP007
+FromEngine = Union[Ready, StepOutputs, RequestFailed, Stats, Heartbeat, LoRAReply]  # noqa: UP007
 
 # The engine's own types on the wire (tensors as vlmserve.ipc.serial's extension), no pickle.
 to_engine_decoder = serial.decoder(ToEngine)
