@@ -203,3 +203,22 @@ def test_fewer_adapter_slots_than_adapters_in_a_batch(
         assert [list(o.outputs[0].token_ids) for o in outs] == [alone[i] for i in order]
     finally:
         small.llm.shutdown()
+
+
+@pytest.mark.parametrize("served", ["qwen2_vl"], indirect=True)
+def test_chat_takes_lora_request(served: Served, image: Image.Image) -> None:
+    """chat() runs its conversations with the adapter given, as generate() does its prompts."""
+    lora = served.loras["both"]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]}
+    ]
+    chat = served.llm.chat([messages, messages], GREEDY, lora_request=[lora, None])
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    prompt = {"prompt": system + PROMPT, "multi_modal_data": {"image": [image]}}
+    outs = served.llm.generate([prompt, prompt], GREEDY, lora_request=[lora, None])
+    assert [c.prompt_token_ids for c in chat] == [o.prompt_token_ids for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert [list(c.outputs[0].token_ids) for c in chat] == tokens and tokens[0] != tokens[1]
+    # One LoRARequest for every conversation.
+    both = served.llm.chat([messages, messages], GREEDY, lora_request=lora)
+    assert [list(c.outputs[0].token_ids) for c in both] == [tokens[0], tokens[0]]
