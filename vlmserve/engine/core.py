@@ -21,6 +21,7 @@ from vlmserve.engine.speculative import DraftBackoff, NgramIndex, SpeculativeCon
 from vlmserve.engine.structured_output import GrammarCompiler, StructuredOutputs
 from vlmserve.ipc.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlmserve.ipc.worker_messages import RankInfo
+from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class EngineCore:
             draft_lookahead=self.speculative.num_speculative_tokens
             if self.speculative is not None and self.speculative.method == "mtp"
             else 0,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         # Logged once, with the rest of the start-up banner (engine/banner.py), by whoever built it.
         self.memory_plan = self._plan_memory(scheduler_config, largest_modality, largest_item)
@@ -97,6 +99,11 @@ class EngineCore:
         self.num_generation_tokens = 0
         # Speculative decoding's drafts verified and accepted since start (all zero without it).
         self.spec_stats = SpeculativeStats.empty(self.speculative)
+        # LoRA adapters loaded, by name: the request, what the ranks said of it, and the key its
+        # cached KV and encoder outputs go under (a new one each time a name is loaded, so that a
+        # name loaded again from changed files never meets its old cache entries).
+        self.loras: dict[str, tuple[LoRARequest, AdapterInfo, str]] = {}
+        self._lora_loads = 0
 
     @property
     def runner(self) -> ModelRunner:
@@ -222,16 +229,75 @@ class EngineCore:
     def check_fits(self, prompt: ProcessedPrompt) -> None:
         self.scheduler.check_fits(prompt.num_tokens, [item.length for item in prompt.mm_items])
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, owner: str = "") -> None:
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter on every rank (nothing to do where it is loaded already under this
+        name and path); LoRAError naming what is wrong where it cannot be served."""
+        if not self.config.enable_lora:
+            raise LoRAError(
+                f"adapter {lora.lora_name!r}: LoRA adapters are off; "
+                "start the engine with enable_lora=True (--enable-lora)"
+            )
+        held = self.loras.get(lora.lora_name)
+        if held is not None:
+            if held[0] == lora:
+                return
+            raise LoRAError(
+                f"adapter {lora.lora_name!r} is loaded already from {held[0].lora_path} (id {held[0].lora_int_id}); "
+                "unload it first to load another under its name"
+            )
+        same_id = [name for name, (other, _, _) in self.loras.items() if other.lora_int_id == lora.lora_int_id]
+        if same_id:
+            raise LoRAError(f"adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} is adapter {same_id[0]!r}'s")
+        info = self.executor.add_lora(lora)
+        self._lora_loads += 1
+        self.loras[lora.lora_name] = (lora, info, f"{lora.lora_name}#{self._lora_loads}")
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter (requests running with it finish with it); False where none of that
+        name is loaded."""
+        if self.loras.pop(lora_name, None) is None:
+            return False
+        if not any(r.lora_request is not None and r.lora_request.lora_name == lora_name for r in self._all_requests()):
+            self.executor.remove_lora(lora_name)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [lora for lora, _, _ in self.loras.values()]
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running requests and of the waiting ones (vLLM's lora_requests_info)."""
+        running = {r.lora_request.lora_name for r in self.scheduler.running if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name for r in self.scheduler.waiting if r.lora_request is not None}
+        return sorted(running), sorted(waiting)
+
+    def _all_requests(self) -> list[Request]:
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        owner: str = "",
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """One sample (n == 1); the front end fans out n > 1. `owner`: whom the scheduler shares
         the engine among (see vlmserve.engine.scheduler). ValueError: an id in use, or a request
-        that can never fit. One with a grammar not compiled yet is queued once it is (a spec that
-        does not compile: take_refused() names it)."""
+        that can never fit; LoRAError: an adapter that cannot be served (loaded here on first
+        use). One with a grammar not compiled yet is queued once it is (a spec that does not
+        compile: take_refused() names it)."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
         if request_id in self.structured_outputs.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner)
+        lora = None
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            held, info, key = self.loras[lora_request.lora_name]
+            lora = (held, key, info.vision)
+        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner, lora)
         if self.speculative is not None:
             request.backoff = DraftBackoff(self.speculative.num_speculative_tokens)
         if params.structured_outputs is None:

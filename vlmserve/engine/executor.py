@@ -39,12 +39,14 @@ from vlmserve.engine.worker import (
 from vlmserve.ipc import serial
 from vlmserve.ipc.contracts import SchedulerOutput
 from vlmserve.ipc.worker_messages import (
+    AddLoRA,
     BindCaches,
     DigestRequests,
     Execute,
     FreeEncoderOutputs,
     Plan,
     RankInfo,
+    RemoveLoRA,
     Reply,
     Reset,
     Shutdown,
@@ -52,6 +54,7 @@ from vlmserve.ipc.worker_messages import (
     WorkerCall,
     reply_decoder,
 )
+from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
 
@@ -85,6 +88,13 @@ class Executor(Protocol):
     def execute(self, step: SchedulerOutput) -> StepResult: ...
 
     def free_encoder_outputs(self, content_hashes: list[str]) -> None: ...
+
+    def add_lora(self, lora: LoRARequest) -> AdapterInfo:
+        """Read and check an adapter on every rank: LoRAError (the message rank 0 gave) where it
+        cannot be served; the engine goes on either way."""
+        ...
+
+    def remove_lora(self, lora_name: str) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -122,11 +132,24 @@ class InProcessExecutor:
     def free_encoder_outputs(self, content_hashes: list[str]) -> None:
         self.runner.free_encoder_outputs(content_hashes)
 
+    def add_lora(self, lora: LoRARequest) -> AdapterInfo:
+        return _adapter_info(self.worker.add_lora(lora))
+
+    def remove_lora(self, lora_name: str) -> None:
+        self.worker.handle(RemoveLoRA(lora_name))
+
     def reset(self) -> None:
         self.runner.reset()
 
     def shutdown(self) -> None:
         pass
+
+
+def _adapter_info(reply: Reply) -> AdapterInfo:
+    if reply.lora_error is not None:
+        raise LoRAError(reply.lora_error)
+    assert reply.lora is not None, "a rank answered AddLoRA without the adapter"
+    return reply.lora
 
 
 def free_port() -> int:
@@ -272,6 +295,12 @@ class MultiprocExecutor:
 
     def reset(self) -> None:
         self._call(Reset(), "resetting")
+
+    def add_lora(self, lora: LoRARequest) -> AdapterInfo:
+        return _adapter_info(self._call(AddLoRA(lora), f"loading LoRA adapter {lora.lora_name!r}"))
+
+    def remove_lora(self, lora_name: str) -> None:
+        self._call(RemoveLoRA(lora_name), f"removing LoRA adapter {lora_name!r}")
 
     def request_digests(self) -> list[tuple[int, int]]:
         """Per rank, how many requests it holds and a digest of their token ids: all equal while

@@ -32,6 +32,8 @@ from vlmserve.engine.sampler import GrammarMask, Sampler, token_logprobs
 from vlmserve.engine.speculative import verify_drafts
 from vlmserve.engine.step_batch import StepBatch, attention_metadata, prepare
 from vlmserve.ipc.contracts import ModelRunnerOutput, SchedulerOutput
+from vlmserve.lora.manager import LoRAManager
+from vlmserve.lora.request import LoRARequest
 from vlmserve.models.base import VLModel, place_multimodal
 from vlmserve.multimodal.inputs import MultiModalItem
 
@@ -61,6 +63,8 @@ class ModelRunner:
         # The step's saved per-request state of requests verifying drafts (slots, per state
         # layer its tensors' rows), until its drafts are checked (_save_states).
         self._saved_states: tuple[list[int], list[list[torch.Tensor]]] | None = None
+        # LoRA adapters (the engine's enable_lora): the adapters held and each step's rows of each.
+        self.lora: LoRAManager | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -154,14 +158,32 @@ class ModelRunner:
             for request_id, indexes in step.scheduled_encoder_inputs.items()
             for i in indexes
         ]
-        if items:
+        if not items:
+            return
+        if self.lora is None:
             for item, embeds in zip(items, self.model.embed_multimodal(items), strict=True):
                 self.encoder_cache[item.content_hash] = embeds
+            return
+        # With adapters: the items of each adapter that changes the vision tower encoded together
+        # under it (their content hashes carry the adapter: engine/request.py), the rest under none.
+        groups: dict[LoRARequest | None, list[MultiModalItem]] = {}
+        for request_id, indexes in step.scheduled_encoder_inputs.items():
+            state = self.requests[request_id]
+            lora = state.lora_request
+            group = lora if lora is not None and self.lora.get(lora).vision else None
+            groups.setdefault(group, []).extend(state.mm_items[i] for i in indexes)
+        for lora, mine in groups.items():
+            with self.lora.encoding(lora):
+                for item, embeds in zip(mine, self.model.embed_multimodal(mine), strict=True):
+                    self.encoder_cache[item.content_hash] = embeds
 
     def forward(self, batch: StepBatch, step: SchedulerOutput) -> torch.Tensor:
         """The model on the batch -> hidden states of batch.output_rows (every row where None),
         [rows, hidden_size]. The state copies the step asks for go before and after it."""
         graphs = self.decode_graphs
+        loras = [s.lora_request for s in batch.scheduled] if self.lora is not None else []
+        if any(loras):
+            graphs = None  # the captured graphs hold the base model's layers alone
         rows = batch.decode_rows() if graphs is not None and graphs.bucket(batch.num_tokens) else None
         if graphs is not None and rows is not None:
             # A decode step, or a verify step's tokens as decode rows (each over its own prefix: in
@@ -179,7 +201,13 @@ class ModelRunner:
         inputs_embeds, layer_extras = place_multimodal(self.model.get_input_embeddings(input_ids), batch.mm_spans)
         self._copy_states(step.copies_before_forward)
         self._save_states(batch)
-        hidden = self.model(None, batch.positions.to(self.device), meta, inputs_embeds, layer_extras)
+        positions = batch.positions.to(self.device)
+        if any(loras):
+            assert self.lora is not None
+            with self.lora.step(loras, _row_counts(batch), batch.output_rows):
+                hidden = self.model(None, positions, meta, inputs_embeds, layer_extras)
+        else:
+            hidden = self.model(None, positions, meta, inputs_embeds, layer_extras)
         self._copy_states(step.copies_after_forward)
         return hidden
 

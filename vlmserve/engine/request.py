@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import replace
 
 import torch
 
 from vlmserve.engine.speculative import DraftBackoff, NgramIndex
 from vlmserve.ipc.contracts import EngineCoreEvent, EngineCoreEventType
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
 from vlmserve.sampling_params import SamplingParams
 
@@ -35,7 +37,10 @@ class Request:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         owner: str = "",
+        lora: tuple[LoRARequest, str, bool] | None = None,
     ) -> None:
+        """lora: the adapter it runs with, the key its cached KV and encoder outputs are stored
+        under, and whether the adapter changes image embeddings."""
         assert params.n == 1, "the engine runs one sample per request; n > 1 is fanned out above it"
         self.request_id = request_id
         # Whom the scheduler shares the engine among: the server's HTTP request this sequence serves
@@ -46,6 +51,16 @@ class Request:
         self.mrope_positions: torch.Tensor | None = prompt.mrope_positions
         self.mrope_delta = prompt.mrope_delta
         self.cache_salt = prompt.cache_salt
+        self.lora_request: LoRARequest | None = None
+        if lora is not None:
+            # An adapter changes the KV of every token: its blocks hash apart from the base model's
+            # and other adapters'; one that changes the vision tower has encoder outputs of its own.
+            self.lora_request, key, vision = lora
+            self.cache_salt = f"{self.cache_salt or ''}|lora:{key}"
+            if vision:
+                self.mm_items = [
+                    replace(item, content_hash=f"{item.content_hash}|lora:{key}") for item in self.mm_items
+                ]
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())

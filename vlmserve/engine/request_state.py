@@ -12,6 +12,7 @@ import torch
 from vlmserve.engine.logits_processors import TokenHistory
 from vlmserve.engine.prompt_logprobs import new_buffer
 from vlmserve.ipc.contracts import CachedRequestData, NewRequestData, TokenLogprobs
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class CachedRequestState:
     # Prompt logprobs, one entry per prompt token after the first, filled chunk by chunk (None:
     # not asked for).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -56,6 +58,7 @@ class CachedRequestState:
             num_computed_tokens=new.num_computed_tokens,
             all_stop_token_ids=list(new.all_stop_token_ids),
             group_slots=list(new.group_slots),
+            lora_request=new.lora_request,
             prompt_logprobs=None
             if new.sampling_params.prompt_logprobs is None
             else new_buffer(len(new.prompt_token_ids)),

@@ -61,6 +61,9 @@ class SchedulerConfig:
     # Speculative decoding by a draft head (mtp): KV slots held past a step's tokens for the
     # head's draft steps, which write its own KV at the positions after them.
     draft_lookahead: int = 0
+    # LoRA adapters running at once (requests of another adapter wait until one's requests end);
+    # 0: no adapters.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -211,10 +214,14 @@ class Scheduler:
                 continue
             break  # the request itself was preempted
 
+        adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
         # After a preemption the pool is known to be short: admit nobody new this step.
         for request in [] if preempted else admissions:
             if budget <= 0:
                 break
+            lora = request.lora_request
+            if lora is not None and lora.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                continue  # max_loras adapters run already: it waits for one of them to end
             room = min(budget, shares[request.owner])
             if room == 0:
                 continue  # its owner's share is spent; another's may not be
@@ -239,6 +246,8 @@ class Scheduler:
             request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora is not None:
+                adapters.add(lora.lora_name)
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED)
             self._schedule(out, request, n, lookahead=lookahead)
@@ -364,6 +373,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     all_stop_token_ids=sorted(request.all_stop_token_ids),
                     group_slots=self.kv.group_slots(request_id),
+                    lora_request=request.lora_request,
                 )
             )
             request.sent_to_runner = True

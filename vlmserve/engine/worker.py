@@ -36,18 +36,22 @@ from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.step_isolation import execute_or_isolate
 from vlmserve.ipc import serial
 from vlmserve.ipc.worker_messages import (
+    AddLoRA,
     BindCaches,
     DigestRequests,
     Execute,
     FreeEncoderOutputs,
     Plan,
     RankInfo,
+    RemoveLoRA,
     Reply,
     Reset,
     Shutdown,
     WorkerCall,
     call_decoder,
 )
+from vlmserve.lora.manager import LoRAManager
+from vlmserve.lora.request import LoRAError, LoRARequest
 from vlmserve.models.build import build_model
 from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
 
@@ -95,6 +99,10 @@ class Worker:
             draft_head=draft_head,
         )
         self.runner = ModelRunner(self.model, device, self.dtype)
+        if config.enable_lora:
+            self.runner.lora = LoRAManager(
+                self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, device, self.dtype
+            )
 
     def plan(self, call: Plan) -> RankInfo:
         info = RankInfo(
@@ -124,13 +132,29 @@ class Worker:
             return Reply(ranks=gather_rank_infos(self.plan(call)))
         if isinstance(call, DigestRequests):
             return Reply(digests=gather_ints(*self.digest_requests()))
-        if isinstance(call, BindCaches):
+        if isinstance(call, AddLoRA):
+            return self.add_lora(call.lora)
+        if isinstance(call, RemoveLoRA):
+            if runner.lora is not None:
+                runner.lora.remove(call.lora_name)
+        elif isinstance(call, BindCaches):
             runner.bind_caches(call.num_blocks, call.block_size, call.group_slots)
         elif isinstance(call, FreeEncoderOutputs):
             runner.free_encoder_outputs(call.content_hashes)
         elif isinstance(call, Reset):
             runner.reset()
         return Reply()
+
+    def add_lora(self, lora: LoRARequest) -> Reply:
+        if self.runner.lora is None:
+            return Reply(
+                lora_error=f"adapter {lora.lora_name!r}: LoRA adapters are off; "
+                "start the engine with enable_lora=True (--enable-lora)"
+            )
+        try:
+            return Reply(lora=self.runner.lora.add(lora))
+        except LoRAError as error:
+            return Reply(lora_error=str(error))
 
     def digest_requests(self) -> tuple[int, int]:
         """How many requests this rank holds, and a digest of their ids and token ids."""

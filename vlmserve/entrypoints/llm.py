@@ -20,6 +20,7 @@ from vlmserve.api.beam_search import (
 )
 from vlmserve.engine.config import EngineConfig
 from vlmserve.entrypoints.llm_engine import LLMEngine
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
@@ -76,6 +77,10 @@ class LLM:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         speculative_config: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         """state_save_interval, saved_state_slots: where a model with recurrent state (Qwen3.5)
         saves it for prefix caching besides message ends and the prompt's last full block (every so
@@ -89,7 +94,11 @@ class LLM:
         (docs/server.md, "Tensor parallelism and many machines").
         speculative_config: vLLM's, {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "mtp", "num_speculative_tokens":
-        k} (a checkpoint with an MTP head: Qwen3.5's); docs/engine.md, "Speculative decoding"."""
+        k} (a checkpoint with an MTP head: Qwen3.5's); docs/engine.md, "Speculative decoding".
+        enable_lora, max_loras, max_lora_rank, max_cpu_loras: LoRA adapters in PEFT's format, as
+        vLLM's (generate and chat take lora_request=LoRARequest(name, id, path)): up to max_loras
+        of them in one step, each of rank up to max_lora_rank, max_cpu_loras kept loaded (None:
+        max_loras)."""
         configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -125,6 +134,10 @@ class LLM:
             master_addr=master_addr,
             master_port=master_port,
             speculative_config=speculative_config,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),
@@ -162,6 +175,7 @@ class LLM:
         self,
         prompts: str | dict[str, Any] | Sequence[str | dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """A prompt is a string, {"prompt": str, "multi_modal_data": {"image": ..., "video": ...}}
         (one <|vision_start|><|image_pad|><|vision_end|> per image and
@@ -172,10 +186,14 @@ class LLM:
         "video" is one video or a list of them. A video is a path, URL or bytes of a file, a
         list of frames (PIL images or uint8 [height, width, 3] arrays; frames given by path or
         URL need the list of videos around them: [[frame, ...]]) or a uint8 array
-        [frames, height, width, 3]."""
+        [frames, height, width, 3].
+
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model);
+        LoRAError (nothing run) where one cannot be served."""
         batch = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         processed: list[ProcessedPrompt] = []
         try:
+            loras = _loras_for(lora_request, len(batch))
             params = self._params_for(sampling_params, len(batch))
             for i, (p, sp) in enumerate(zip(batch, params, strict=True)):
                 processed.append(self._process_prompt(p, f"prompts[{i}]", sp.truncate_prompt_tokens))
@@ -183,7 +201,7 @@ class LLM:
             for p in batch[len(processed) :]:  # token handles (LLM.tokenize) no one will read now
                 self._release_handles(p)
             raise
-        return self._run(processed, params)
+        return self._run(processed, params, loras)
 
     def _truncated(self, prompt: ProcessedPrompt, truncate_prompt_tokens: int | None, where: str) -> ProcessedPrompt:
         """SamplingParams.truncate_prompt_tokens: the last N tokens of the processed prompt."""
@@ -303,13 +321,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. Content parts may
         be OpenAI-style (text, image_url, video_url) or qwen-vl-utils-style ({"type": "image",
         "image": ...}, {"type": "video", "video": path, URL or [frame, ...], "fps": ...}).
         continue_final_message (with add_generation_prompt=False) leaves the last message open
-        for the model to continue, as vLLM's."""
+        for the model to continue, as vLLM's. lora_request: as generate's."""
         conversations = _conversations(messages)
+        loras = _loras_for(lora_request, len(conversations))
         params = self._params_for(sampling_params, len(conversations))
         processed = [
             self._truncated(
@@ -321,7 +341,7 @@ class LLM:
             )
             for (where, conv), p in zip(conversations, params, strict=True)
         ]
-        return self._run(processed, params)
+        return self._run(processed, params, loras)
 
     def process_chat(
         self,
@@ -363,14 +383,22 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, or one per prompt")
         return params
 
-    def _run(self, prompts: list[ProcessedPrompt], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[ProcessedPrompt],
+        params: list[SamplingParams],
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
+        loras = list(loras) if loras is not None else [None] * len(prompts)
+        for adapter in dict.fromkeys(lora for lora in loras if lora is not None):
+            engine.add_lora(adapter)  # every adapter checked before any request runs
         ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         finals: dict[str, RequestOutput] = {}
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                engine.add_request(request_id, prompt, p, lora)
                 added.append(request_id)
             while len(finals) < len(ids):
                 for output in engine.step():
@@ -398,6 +426,15 @@ class LLM:
                             return
         finally:
             engine.abort_request(request_id)
+
+
+def _loras_for(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_request for {count} prompts; give one, or one per prompt")
+    return loras
 
 
 def _conversations(messages: Conversation | Sequence[Conversation]) -> list[tuple[str, Conversation]]:

@@ -13,6 +13,7 @@ from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import RequestStatus
+from vlmserve.lora.request import LoRARequest
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import RequestOutput
@@ -54,14 +55,32 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         return self.frontend.default_sampling_params()
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.check_fits(prompt)  # before anything is registered
+        if lora_request is not None:
+            self.core.add_lora(lora_request)  # LoRAError before anything is registered
         params = self.frontend.resolve_params(params)
         child_ids = self.output_processor.add_prompt(request_id, prompt, params)
         for index, child_id in enumerate(child_ids):
-            self.core.add_request(child_id, prompt, params.for_child(index))
+            self.core.add_request(child_id, prompt, params.for_child(index), lora_request=lora_request)
+
+    # vLLM's LLMEngine.add_lora / remove_lora / list_loras (adapters by name here).
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.core.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         output, child_ids = self.output_processor.abort(request_id)

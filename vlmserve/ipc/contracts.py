@@ -12,6 +12,7 @@ import enum
 import msgspec
 import torch
 
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem
 from vlmserve.sampling_params import SamplingParams
 
@@ -33,6 +34,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # Its slot in each cache group of fixed-size per-request entries (engine/cache_coordinator.py:
     # the linear-attention layers' state); empty for a model with paged KV alone.
     group_slots: list[int] = msgspec.field(default_factory=list)
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -8,6 +8,7 @@ import msgspec
 
 from vlmserve.ipc import serial
 from vlmserve.ipc.contracts import ModelRunnerOutput, SchedulerOutput
+from vlmserve.lora.request import AdapterInfo, LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem
 
 
@@ -52,7 +53,17 @@ class DigestRequests(msgspec.Struct, tag=True):
     while the ranks agree (a check for tests and debugging)."""
 
 
-WorkerCall = Plan | BindCaches | Execute | FreeEncoderOutputs | Reset | Shutdown | DigestRequests
+class AddLoRA(msgspec.Struct, tag=True):
+    """Read and check an adapter (each rank its slice); a bad one is the reply's lora_error."""
+
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag=True):
+    lora_name: str
+
+
+WorkerCall = Plan | BindCaches | Execute | FreeEncoderOutputs | Reset | Shutdown | DigestRequests | AddLoRA | RemoveLoRA
 
 
 class RankInfo(msgspec.Struct, array_like=True):
@@ -79,6 +90,8 @@ class Reply(msgspec.Struct):
     step: StepResult | None = None
     ranks: list[RankInfo] = msgspec.field(default_factory=list)
     digests: list[int] = msgspec.field(default_factory=list)  # DigestRequests: (count, digest) per rank
+    lora: AdapterInfo | None = None  # AddLoRA: the adapter loaded
+    lora_error: str | None = None  # AddLoRA: why the adapter cannot be served (the rank goes on)
     # Set when the call failed outside any one request: the rank exits after sending it.
     error: str | None = None
 

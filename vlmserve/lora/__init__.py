@@ -3,6 +3,6 @@ names one (request.py), the adapter files read and checked against the model (ad
 low-rank products added to the model's linear layers per row of a step (layers.py), and the
 bounded pool of adapters a worker holds (manager.py)."""
 
-from vlmserve.lora.request import LoRAError, LoRARequest
+from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 
-__all__ = ["LoRAError", "LoRARequest"]
+__all__ = ["AdapterInfo", "LoRAError", "LoRARequest"]
