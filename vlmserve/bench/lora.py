@@ -1,7 +1,7 @@
 """LoRA adapters end to end: the same requests through one offline engine with LoRA enabled, on
 the base model alone and spread over several random adapters, in alternating rounds, each
 request sampled with the checkpoint's own defaults (generation_config.json); per workload the
-generated tokens per second and their ratio, and the memory one adapter takes in the pool.
+generated tokens per second and their ratio, and the memory one adapter takes in the engine.
 
     python -m vlmserve.bench.lora DIR [--adapters 4] [--rank 16] [--requests 32]
         [--max-tokens 64] [--rounds 3] [--dtype auto]
@@ -99,15 +99,6 @@ def write_lora_adapter(model_dir: Path, folder: Path, rank: int, seed: int, alph
     return folder
 
 
-def adapter_bytes(model_dir: Path, rank: int, itemsize: int) -> int:
-    """One adapter's A and B in the pool: rank x (in + out) elements per adapted projection, each
-    `itemsize` bytes (the model's dtype)."""
-    return sum(
-        rank * (out_features + in_features) * itemsize
-        for out_features, in_features in projection_shapes(model_dir).values()
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlmserve.bench.lora", description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path, help="a checkpoint directory")
@@ -165,15 +156,18 @@ def main(argv: list[str] | None = None) -> int:
                 done = llm.generate(prompts, per_request, lora_request=loras)
                 elapsed = time.perf_counter() - start
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in done) / elapsed)
-    itemsize = next(iter(llm.llm_engine.model.parameters())).element_size()
-    each = adapter_bytes(args.model, args.rank, itemsize)
+    # What the engine holds of each adapter (on each tensor-parallel rank): A and B in the model's dtype.
+    held = [llm.llm_engine.core.loras[adapter.lora_name][1] for adapter in adapters]
     base, lora = statistics.median(rates["base"]), statistics.median(rates["lora"])
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, median:")
     for label, name, rate in (("base model", "base", base), (f"{args.adapters} adapters", "lora", lora)):
         rounds = ", ".join(f"{r:.1f}" for r in rates[name])
         print(f"  {label:<16} {rate:8.1f} tokens/s  (rounds: {rounds})")
     print(f"  ratio            {lora / base:8.2f}x")
-    print(f"  adapter memory   {each / (1 << 20):8.2f} MiB each (rank {args.rank}, A and B at {itemsize} bytes)")
+    print(
+        f"  adapter memory   {max(info.nbytes for info in held) / (1 << 20):8.2f} MiB each "
+        f"(rank {args.rank}, {held[0].num_layers} layers)"
+    )
     return 0
 
 
