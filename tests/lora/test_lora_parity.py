@@ -162,13 +162,15 @@ def test_adapter_matches_transformers_peft(served: Served, target: str, image: I
 
 @pytest.fixture(scope="module")
 def alone(served: Served, image: Image.Image) -> list[list[int]]:
-    """Qwen2-VL's image prompt run alone with each adapter, then with the base model (these fill
-    the prefix cache with the prompt under each adapter: a batch must not read another's)."""
-    runs = [*served.loras.values(), None]
-    tokens = [
-        list(served.llm.generate(request_for(image), GREEDY, lora_request=lora)[0].outputs[0].token_ids)
-        for lora in runs
-    ]
+    """Qwen2-VL's image prompt run alone with each adapter, then with the base model, each from an
+    empty prefix cache. The last leaves the base model's blocks and image encoding cached: a batch
+    after it must not read them for its adapters' requests."""
+
+    def run(lora: LoRARequest | None) -> list[int]:
+        served.llm.reset_prefix_cache()
+        return list(served.llm.generate(request_for(image), GREEDY, lora_request=lora)[0].outputs[0].token_ids)
+
+    tokens = [run(lora) for lora in [*served.loras.values(), None]]
     # Each adapter makes the model say something else, else the batch tests would prove nothing.
     assert len({tuple(t) for t in tokens}) == len(tokens), tokens
     # Loading adapters left the base model as it was.
