@@ -78,7 +78,7 @@ def write_lora_adapter(model_dir: Path, folder: Path, rank: int, seed: int, alph
         tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.1 / rank**0.5
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {
+    config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": None,
         "base_model_name_or_path": str(model_dir),
