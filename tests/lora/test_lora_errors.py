@@ -158,6 +158,25 @@ def test_modules_to_save_is_refused(
     assert_still_serving(llm, good, expected)
 
 
+# PEFT options whose adapters are more than A and B per layer: served as a plain LoRA they would
+# answer wrongly, so each is refused by name.
+UNSERVED_OPTIONS = {
+    "use_dora": ({"use_dora": True}, r"use_dora"),  # DoRA: a learned magnitude per output
+    "bias": ({"bias": "lora_only"}, r"bias"),  # trained biases of the adapted layers
+}
+
+
+@pytest.mark.parametrize("option", list(UNSERVED_OPTIONS))
+def test_peft_options_not_served_are_named(
+    llm: LLM, good: Path, expected: dict[str, list[int]], tiny_dir: Path, tmp_path: Path, option: str
+) -> None:
+    kwargs, pattern = UNSERVED_OPTIONS[option]
+    folder = write_adapter(tiny_dir, tmp_path / "adapter", 8, 16, LANGUAGE_MODEL, seed=4, **kwargs)
+    message = refusal(llm, good, LoRARequest("bad", 7, str(folder)))
+    assert re.search(pattern, message), message
+    assert_still_serving(llm, good, expected)
+
+
 def test_same_name_another_path(llm: LLM, good: Path, expected: dict[str, list[int]], tmp_path: Path) -> None:
     other = copy_adapter(good, tmp_path / "other")
     llm.llm_engine.add_lora(LoRARequest("good", 1, str(good)))  # loaded already: nothing happens

@@ -9,6 +9,7 @@ the tokens it gets alone, also when the pool holds fewer adapters than the batch
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,3 +227,25 @@ def test_chat_takes_lora_request(served: Served, image: Image.Image) -> None:
     # One LoRARequest for every conversation.
     both = served.llm.chat([messages, messages], GREEDY, lora_request=lora)
     assert [list(c.outputs[0].token_ids) for c in both] == [tokens[0], tokens[0]]
+
+
+@pytest.mark.parametrize("served", ["qwen2_vl"], indirect=True)
+def test_adapter_under_transformers_4_names(
+    served: Served, image: Image.Image, alone: list[list[int]], tmp_path: Path
+) -> None:
+    """Adapters trained before transformers 5 name the language model's layers
+    base_model.model.model.layers.N and the tower's base_model.model.visual.blocks.N (the
+    checkpoint's own names): the same adapter under those names gives the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "old-names"
+    shutil.copytree(served.folders["both"], folder)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    renamed = {
+        key.replace("model.model.language_model.", "model.model.").replace("model.model.visual.", "model.visual."): t
+        for key, t in weights.items()
+    }
+    assert not any("language_model" in key for key in renamed) and len(renamed) == len(weights)
+    save_file(renamed, str(folder / "adapter_model.safetensors"))
+    out = served.llm.generate(request_for(image), GREEDY, lora_request=LoRARequest("old-names", 9, str(folder)))[0]
+    assert list(out.outputs[0].token_ids) == alone[2]
