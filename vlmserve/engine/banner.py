@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from vlmserve.engine.config import EngineConfig
 from vlmserve.engine.core import EngineCore
 from vlmserve.kernels.dispatch import describe_linear_op
 from vlmserve.kernels.onednn import PACKED_ROWS, packed_linear
@@ -57,7 +58,7 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
     decoder = prepacked_layers(core.model, packed_linear) if in_process else 0
     # a decoder that runs a decode step in one kernel call (models/fused_decode.py: the Qwen2 and Qwen3 decoders)
     fused = in_process and any(getattr(m, "fused_decode", None) is not None for m in core.model.modules())
-    return {
+    summary = {
         "model": f"{model} ({info.model_config.architecture}, {info.family.display_name})",
         "device": describe_device(core.device),
         "dtype": str(core.dtype).removeprefix("torch."),
@@ -85,6 +86,17 @@ def engine_summary(core: EngineCore, model: str) -> dict[str, str]:
         or "none",
         "memory": plan.describe().removeprefix("memory plan: ") + (" (its smallest rank)" if tp > 1 else ""),
     } | ({"speculative decoding": core.speculative.describe()} if core.speculative is not None else {})
+    return summary | _lora_line(core.config)
+
+
+def _lora_line(config: EngineConfig) -> dict[str, str]:
+    if not config.enable_lora:
+        return {}
+    kept = max(config.max_cpu_loras or config.max_loras, config.max_loras)
+    return {
+        "LoRA adapters": f"up to {config.max_loras} in a step, rank <= {config.max_lora_rank}, {kept} kept loaded "
+        "(language model, vision tower and merger)"
+    }
 
 
 def log_banner(logger: logging.Logger, summary: dict[str, str], title: str, url: str | None = None) -> None:

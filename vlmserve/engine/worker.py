@@ -106,7 +106,9 @@ class Worker:
 
     def plan(self, call: Plan) -> RankInfo:
         info = RankInfo(
-            weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            # With LoRA: the adapters it may hold at once, planned as weights.
+            weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters())
+            + (self.runner.lora.reserved_bytes() if self.runner.lora is not None else 0),
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             slot_bytes=self.runner.state_bytes_per_slot,
             budget_bytes=0,

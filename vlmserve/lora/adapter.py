@@ -157,6 +157,12 @@ def read_adapter(
             missing = {"lora_A", "lora_B"} - set(tensors)
             raise LoRAError(f"{where}: module {module_name} has no {' or '.join(sorted(missing))} weight")
         a, b = tensors["lora_A"], tensors["lora_B"]
+        name, shard, expert = resolve_name(f"{module_name}.weight", table)
+        if name in table.reshape and a.ndim > 2 and b.ndim > 2 and all(k == 1 for k in b.shape[2:]):
+            # A convolution stored as a linear layer (the patch embedding: stride == kernel): its
+            # LoRA is a convolution of the same kernel into r channels, then a 1x1 one: as
+            # matrices, A flattened as the weight is (channel, time, row, col) and B squeezed.
+            a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], b.shape[1])
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(
                 f"{where}: module {module_name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
@@ -175,16 +181,13 @@ def read_adapter(
             )
         alpha = _pattern_value(alpha_pattern, module_name, alpha_default)
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        name, shard, expert = resolve_name(f"{module_name}.weight", table)
         target = name.removesuffix(".weight")
         layer = modules.get(target)
         if (
             table.ignore(f"{module_name}.weight")
             or expert is not None
-            or name in table.reshape
             or layer is None
             or not hasattr(layer, "in_features")
-            or "embed" in target
             or target.endswith("lm_head")
         ):
             what = "an expert of a mixture-of-experts block" if expert is not None else "a linear layer of this model"
@@ -193,7 +196,7 @@ def read_adapter(
                 f"(the attention and MLP projections of the language model, the vision tower's and "
                 f"the merger's linear layers); is the adapter for another model?"
             )
-        spec = _weight_spec(layer)
+        spec = weight_spec(layer)
         offset, size, a_local, b_local, reduce = _local_slices(layer, spec, shard, a, b, table, target)
         if a.shape[1] != _full_in(layer, spec) or b.shape[0] != _full_out(spec, shard, layer, size):
             raise LoRAError(
@@ -221,7 +224,7 @@ def _split_name(name: str, where: str) -> tuple[str, str]:
     raise LoRAError(f"{where}: {name} is not a LoRA weight (lora_A / lora_B) this engine serves")
 
 
-def _weight_spec(layer: nn.Module) -> ShardSpec | None:
+def weight_spec(layer: nn.Module) -> ShardSpec | None:
     """The tensor-parallel slice the layer holds of its checkpoint weight (quantized layers keep
     their float weight's spec as qweight's)."""
     shards: dict[str, ShardSpec] = getattr(layer, "tp_shards", {})

@@ -2,54 +2,82 @@
 adapter or none.
 
 A layer some loaded adapter targets carries a forward hook (added when the first such adapter is
-loaded; a layer no adapter targets runs as it always did). While a step runs, LoRARows says which
-rows use which adapter: for each adapter in the step, its rows are gathered, multiplied by its A
-(one product for all the parts of a fused layer) and B, and added into the layer's output at
-those rows: a segmented product, one per adapter in the step, not a forward per adapter.
+loaded; a layer no adapter targets runs as it always did) and max_loras slots: A [slots * cols,
+in] and B [out, slots * cols], `cols` = max_lora_rank times the layer's parts (3 for a fused q, k,
+v; 2 for gate, up). An adapter running in a step sits in a slot: its A rows and B columns there,
+zeros where it does not reach (a layer it does not target, a part it leaves out, ranks below the
+largest). A step's update of a layer is then two products whatever its adapters:
+
+    h = x @ A.T            (every row against every slot in use)
+    h *= mask              (each row keeps its own slot's columns; the base model's none)
+    out += h @ B.T
+
+the gathered form of vLLM's punica kernels (not a forward per adapter, nor a gather of per-row
+matrices). A step of one adapter on every row (the vision tower's, which the runner encodes per
+adapter) needs no mask.
 
 The rows a layer sees are the step's rows, or fewer in the last decoder layer (past attention
 only the rows whose hidden states are kept: AttentionMetadata.output_rows); the hook tells them
-apart by their count. The vision tower runs one adapter for all its rows (the runner encodes the
-images of each adapter together), so its rows need no map at all."""
+apart by their count."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from vlmserve.distributed import all_reduce
-from vlmserve.lora.adapter import LoadedAdapter
-
-# Rows of one adapter: every row (None), a contiguous range, or an index tensor.
-Rows = slice | torch.Tensor | None
+from vlmserve.lora.adapter import ModuleDelta
 
 
-def rows_of(indexes: list[int], total: int, device: torch.device) -> Rows:
-    """The cheapest form of these (ascending) row indexes."""
-    if len(indexes) == total:
+@dataclass
+class StepRows:
+    """The slots of one row count's rows: slot_of_row [rows] (-1: the base model) or None (every
+    row in slot `first`); the slots in use are first..last (one contiguous range of columns)."""
+
+    slot_of_row: torch.Tensor | None
+    first: int
+    last: int
+    # The mask of each slot width in use, [rows, (last - first + 1) * cols], made on first need.
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        mask = self.masks.get(cols)
+        if mask is None:
+            assert self.slot_of_row is not None
+            slots = torch.arange(self.first, self.last + 1, device=self.slot_of_row.device).repeat_interleave(cols)
+            mask = self.masks[cols] = (self.slot_of_row[:, None] == slots[None, :]).to(dtype)
+        return mask
+
+
+def step_rows(slot_of_row: list[int], device: torch.device) -> StepRows | None:
+    """A step's rows by slot (-1: none); None where no row has an adapter."""
+    used = sorted({s for s in slot_of_row if s >= 0})
+    if not used:
         return None
-    if indexes[-1] - indexes[0] + 1 == len(indexes):
-        return slice(indexes[0], indexes[-1] + 1)
-    return torch.tensor(indexes, dtype=torch.long, device=device)
+    if len(used) == 1 and len(slot_of_row) and min(slot_of_row) >= 0:
+        return StepRows(None, used[0], used[0])
+    return StepRows(torch.tensor(slot_of_row, dtype=torch.long, device=device), used[0], used[-1])
 
 
 class LoRARows:
-    """The adapters of the forward running now, by the number of rows a layer sees: {num_rows:
-    [(adapter, its rows)]}; None as the key: whatever the count (every row one adapter)."""
+    """The slots of the forward running now, by the number of rows a layer sees; None as the
+    key: whatever the count (every row one adapter); None as a value: no row of that count has
+    an adapter."""
 
     def __init__(self) -> None:
-        self.by_count: dict[int | None, list[tuple[LoadedAdapter, Rows]]] = {}
+        self.by_count: dict[int | None, StepRows | None] = {}
 
     @contextlib.contextmanager
-    def use(self, model: nn.Module, by_count: dict[int | None, list[tuple[LoadedAdapter, Rows]]]) -> Iterator[None]:
-        """Run the model's forward with these adapters. A decoder that runs whole decode steps in
-        one kernel call (models/fused_decode.py) does not call its layers, so it is set aside
+    def use(self, model: nn.Module, by_count: dict[int | None, StepRows | None]) -> Iterator[None]:
+        """Run the model's forward with these rows. A decoder that runs whole decode steps in one
+        kernel call (models/fused_decode.py) does not call its layers, so it is set aside
         meanwhile (the layer-by-layer path gives the same results)."""
-        if not by_count:
+        if not any(by_count.values()):
             yield
             return
         fused: list[tuple[nn.Module, Any]] = [
@@ -66,12 +94,40 @@ class LoRARows:
                 module.fused_decode = call
 
 
-class LoRAHook:
-    """The forward hook of one layer (its name in the model: what the adapters' deltas are keyed by)."""
+class LoRALayer:
+    """One layer's slots and its forward hook (`name`: the layer's name in the model, what the
+    adapters' updates are keyed by)."""
 
-    def __init__(self, name: str, rows: LoRARows) -> None:
+    def __init__(
+        self,
+        name: str,
+        rows: LoRARows,
+        in_features: int,
+        out_features: int,
+        cols: int,
+        slots: int,
+        reduce: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.name = name
         self.rows = rows
+        self.cols = cols
+        self.reduce = reduce  # row-parallel: x @ A.T is each rank's partial sum
+        self.a = torch.zeros(slots * cols, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, slots * cols, dtype=dtype, device=device)
+
+    def load(self, slot: int, delta: ModuleDelta | None) -> None:
+        """Put an adapter's update in a slot (None: the adapter leaves this layer alone)."""
+        lo = slot * self.cols
+        a, b = self.a[lo : lo + self.cols], self.b[:, lo : lo + self.cols]
+        a.zero_()
+        b.zero_()
+        if delta is None:
+            return
+        a[: delta.a.shape[0]] = delta.a
+        for (offset, size, r0, r1), part in zip(delta.parts, delta.b, strict=True):
+            b[offset : offset + size, r0:r1] = part
 
     def __call__(
         self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
@@ -80,32 +136,17 @@ class LoRAHook:
         if not by_count:
             return None
         x = inputs[0]
-        segments = by_count.get(None) or by_count.get(x.shape[0])
-        if segments is None:
-            raise RuntimeError(
-                f"LoRA layer {self.name}: {x.shape[0]} rows, the step has adapters for {sorted(by_count, key=str)}"
-            )
-        for adapter, rows in segments:
-            delta = adapter.modules.get(self.name)
-            if delta is None:
-                continue
-            xs = x if rows is None else x[rows]
-            h = xs.to(delta.a.dtype) @ delta.a.T
-            if delta.reduce:
-                h = all_reduce(h)  # a row-parallel layer: each rank's x @ A.T is a partial sum
-            for (offset, size, r0, r1), b in zip(delta.parts, delta.b, strict=True):
-                d = (h[:, r0:r1] @ b.T).to(output.dtype)
-                if rows is None:
-                    output[:, offset : offset + size] += d
-                else:
-                    output[rows, offset : offset + size] += d
+        key = None if None in by_count else x.shape[0]
+        if key not in by_count:
+            raise RuntimeError(f"LoRA layer {self.name}: {x.shape[0]} rows, the step's are {sorted(by_count, key=str)}")
+        rows = by_count[key]
+        if rows is None:
+            return None
+        lo, hi = rows.first * self.cols, (rows.last + 1) * self.cols
+        h = x.to(self.a.dtype) @ self.a[lo:hi].T
+        if rows.slot_of_row is not None:
+            h *= rows.mask(self.cols, h.dtype)
+        if self.reduce:
+            h = all_reduce(h)
+        output += (h @ self.b[:, lo:hi].T).to(output.dtype)
         return output
-
-
-def hook_layers(model: nn.Module, names: list[str], rows: LoRARows, hooked: set[str]) -> None:
-    """Hook the named layers not hooked yet (`hooked` grows by them)."""
-    modules = dict(model.named_modules())
-    for name in names:
-        if name not in hooked:
-            modules[name].register_forward_hook(LoRAHook(name, rows))
-            hooked.add(name)

@@ -1,8 +1,10 @@
-"""The adapters a worker holds, and the rows of each in a step.
+"""The adapters a worker holds, the slots they run from, and the rows of each in a step.
 
-Adapters are read on first use (add, or a step naming one that was dropped) and kept up to
-max_cpu_loras, the least recently used dropped first (read again from its folder when a request
-names it); a step runs at most max_loras of them (the scheduler admits no more at once)."""
+Two bounded pools, as vLLM's: adapters read from their folders (on add, or when a step names one
+that was dropped) are kept up to max_cpu_loras, the least recently used dropped first; a step's
+adapters sit in the layers' max_loras slots (layers.py), an adapter not in one copied into the
+free slot, or the one used longest ago that this step does not need (the scheduler admits no more
+than max_loras adapters at once)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from vlmserve.lora.adapter import LoadedAdapter, read_adapter
-from vlmserve.lora.layers import LoRARows, Rows, hook_layers, rows_of
+from vlmserve.lora.adapter import LoadedAdapter, read_adapter, weight_spec
+from vlmserve.lora.layers import LoRALayer, LoRARows, StepRows, step_rows
 from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 from vlmserve.models.loader import WeightTable
 
@@ -34,9 +36,7 @@ class LoRAManager:
     ) -> None:
         table_of = getattr(model, "weight_table", None)
         if table_of is None:
-            raise LoRAError(
-                f"{type(model).__name__} has no checkpoint weight table: LoRA adapters cannot be mapped onto it"
-            )
+            raise LoRAError(f"{type(model).__name__} has no weight table: adapters cannot be mapped onto its layers")
         self.model = model
         self.table: WeightTable = table_of()
         self.vision: nn.Module | None = model.vision_encoder()  # type: ignore[operator]
@@ -47,7 +47,32 @@ class LoRAManager:
         self.dtype = dtype
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self.rows = LoRARows()
-        self.hooked: set[str] = set()
+        # The hooked layers by name, and which adapter each slot holds (and when it last ran).
+        self.layers: dict[str, LoRALayer] = {}
+        self.slots: list[LoadedAdapter | None] = [None] * max_loras
+        self.slot_last_used = [0] * max_loras
+        self.steps = 0
+
+    def reserved_bytes(self) -> int:
+        """What adapters may take, for the memory plan: the slots and the `capacity` adapters held
+        in the model's dtype, each as one changing every linear layer at max_lora_rank (a fused
+        layer's parts each of that rank), this rank's slices."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        per_adapter = 0
+        for module, cols, _ in self._linear_layers().values():
+            per_adapter += cols * (int(module.in_features) + int(module.out_features))  # type: ignore[arg-type]
+        return (self.capacity + self.max_loras) * per_adapter * size
+
+    def _linear_layers(self) -> dict[str, tuple[nn.Module, int, bool]]:
+        """The layers adapters may change: name -> (module, slot width, row-parallel)."""
+        found: dict[str, tuple[nn.Module, int, bool]] = {}
+        for name, module in self.model.named_modules():
+            if not hasattr(module, "in_features") or name.endswith("lm_head"):
+                continue
+            spec = weight_spec(module)
+            parts = len(spec.parts) if spec is not None and spec.dim == 0 else 1
+            found[name] = (module, parts * self.max_lora_rank, spec is not None and spec.dim == 1)
+        return found
 
     def add(self, lora: LoRARequest) -> AdapterInfo:
         """Read and check the adapter (again, where the one held by its name has another path or
@@ -55,7 +80,7 @@ class LoRAManager:
         held = self.adapters.get(lora.lora_name)
         if held is None or held.request != lora:
             held = read_adapter(lora, self.model, self.table, self.vision, self.max_lora_rank, self.dtype, self.device)
-            hook_layers(self.model, list(held.modules), self.rows, self.hooked)
+            self._hook([name for name in held.modules if name not in self.layers])
             self.adapters[lora.lora_name] = held
             logger.info(
                 "LoRA adapter %r loaded from %s: %d layers, rank %d, %.1f MiB%s",
@@ -67,18 +92,35 @@ class LoRAManager:
                 " (vision tower too)" if held.vision else "",
             )
         self.adapters.move_to_end(lora.lora_name)
-        self._evict(keep={lora.lora_name})
+        for name in list(self.adapters):
+            if len(self.adapters) <= self.capacity:
+                break
+            if name != lora.lora_name:
+                del self.adapters[name]
         return AdapterInfo(held.vision, held.nbytes, held.max_rank, len(held.modules))
+
+    def _hook(self, names: list[str]) -> None:
+        """Slots and a forward hook for layers no adapter changed before (zero in every slot: the
+        adapters in them leave these layers alone)."""
+        layers = self._linear_layers() if names else {}
+        for name in names:
+            module, cols, reduce = layers[name]
+            layer = LoRALayer(
+                name,
+                self.rows,
+                module.in_features,  # type: ignore[arg-type]
+                module.out_features,  # type: ignore[arg-type]
+                cols,
+                self.max_loras,
+                reduce,
+                self.dtype,
+                self.device,
+            )
+            module.register_forward_hook(layer)
+            self.layers[name] = layer
 
     def remove(self, lora_name: str) -> None:
         self.adapters.pop(lora_name, None)
-
-    def _evict(self, keep: set[str]) -> None:
-        for name in list(self.adapters):
-            if len(self.adapters) <= self.capacity:
-                return
-            if name not in keep:
-                del self.adapters[name]
 
     def get(self, lora: LoRARequest) -> LoadedAdapter:
         held = self.adapters.get(lora.lora_name)
@@ -88,6 +130,28 @@ class LoRAManager:
         self.adapters.move_to_end(lora.lora_name)
         return held
 
+    def _slot(self, adapter: LoadedAdapter, busy: set[int]) -> int:
+        """The slot holding the adapter, copying it into one first where none does."""
+        for slot, holder in enumerate(self.slots):
+            if holder is adapter:
+                return slot
+        free = [s for s in range(self.max_loras) if s not in busy]
+        if not free:
+            raise LoRAError(f"a step with more than max_loras {self.max_loras} adapters")
+        slot = min(free, key=lambda s: (self.slots[s] is not None, self.slot_last_used[s]))
+        for name, layer in self.layers.items():
+            layer.load(slot, adapter.modules.get(name))
+        self.slots[slot] = adapter
+        return slot
+
+    def _slots_of(self, loras: Sequence[LoRARequest | None]) -> dict[LoRARequest, int]:
+        self.steps += 1
+        slots: dict[LoRARequest, int] = {}
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            slots[lora] = self._slot(self.get(lora), set(slots.values()))
+            self.slot_last_used[slots[lora]] = self.steps
+        return slots
+
     @contextlib.contextmanager
     def step(
         self, loras: Sequence[LoRARequest | None], row_counts: Sequence[int], output_rows: Sequence[int] | None
@@ -95,25 +159,15 @@ class LoRAManager:
         """The model's forward over a step whose sequence i has row_counts[i] rows and runs with
         loras[i] (None: the base model); output_rows: the rows kept past the last layer's
         attention (None: all)."""
-        if not any(loras):
-            yield
-            return
-        names = {lora.lora_name for lora in loras if lora is not None}
-        if len(names) > self.max_loras:
-            raise LoRAError(f"a step with {len(names)} adapters, above max_loras {self.max_loras}")
-        owners: list[LoRARequest | None] = [lora for lora, n in zip(loras, row_counts, strict=True) for _ in range(n)]
-        by_count: dict[int | None, list[tuple[LoadedAdapter, Rows]]] = {len(owners): self._segments(owners)}
+        slots = self._slots_of(loras)
+        per_row = [
+            -1 if lora is None else slots[lora] for lora, n in zip(loras, row_counts, strict=True) for _ in range(n)
+        ]
+        by_count: dict[int | None, StepRows | None] = {len(per_row): step_rows(per_row, self.device)}
         if output_rows is not None:
-            by_count[len(output_rows)] = self._segments([owners[i] for i in output_rows])
+            by_count[len(output_rows)] = step_rows([per_row[i] for i in output_rows], self.device)
         with self.rows.use(self.model, by_count):
             yield
-
-    def _segments(self, owners: list[LoRARequest | None]) -> list[tuple[LoadedAdapter, Rows]]:
-        indexes: dict[LoRARequest, list[int]] = {}
-        for i, lora in enumerate(owners):
-            if lora is not None:
-                indexes.setdefault(lora, []).append(i)
-        return [(self.get(lora), rows_of(rows, len(owners), self.device)) for lora, rows in indexes.items()]
 
     @contextlib.contextmanager
     def encoding(self, lora: LoRARequest | None) -> Iterator[None]:
@@ -121,5 +175,6 @@ class LoRAManager:
         if lora is None:
             yield
             return
-        with self.rows.use(self.model, {None: [(self.get(lora), None)]}):
+        slot = self._slots_of([lora])[lora]
+        with self.rows.use(self.model, {None: StepRows(None, slot, slot)}):
             yield

@@ -18,6 +18,7 @@ from torch import nn
 from vlmserve.kernels import LinearOp
 from vlmserve.kernels.int8 import Int8Kernel, int8_linear
 from vlmserve.models.layers import Linear
+from vlmserve.models.parallel import ShardSpec
 
 # Module names (any path segment) whose Linear layers keep their float weights.
 UNQUANTIZED_MODULES = ("visual", "gate", "shared_expert_gate")
@@ -46,6 +47,8 @@ class Int8Linear(nn.Module):
         self.kernel: Int8Kernel | None = None  # the decode kernel, bound when the model is built
         # A tensor-parallel layer's collective after the product (models/parallel.py), kept.
         self.collective: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The float weight's tensor-parallel slice, where it had one (read by LoRA adapters).
+        self.tp_shards: dict[str, ShardSpec] = {}
 
     # The float product for many rows (prefill), on dequantized weights: the one the model's
     # float Linear layers use (bind_linear_op binds it).
@@ -59,6 +62,9 @@ class Int8Linear(nn.Module):
         keep_bias = linear.bias is not None and getattr(linear, "bias_in_product", True)
         quantized = cls(q, scale, linear.bias.detach() if keep_bias else None)
         quantized.collective = getattr(linear, "collective", None)
+        spec = getattr(linear, "tp_shards", {}).get("weight")
+        if spec is not None:  # which slice of the checkpoint's rows or columns it holds (LoRA reads it)
+            quantized.tp_shards = {"qweight": spec}
         return quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
