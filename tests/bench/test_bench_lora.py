@@ -44,9 +44,11 @@ def test_benchmark_prints_both_workloads_and_the_adapter_memory(
         for name, rounds in re.findall(r"(base model|2 adapters) .* tokens/s +\(rounds: ([\d., ]+)\)", out)
     }
     assert set(rates) == {"base model", "2 adapters"} and all(len(r) == 2 and min(r) > 0 for r in rates.values())
-    mib = float(re.search(r"adapter memory +([\d.]+) MiB each", out)[1])  # type: ignore[index]
+    mib = float(re.search(r"adapter memory +([\d.]+) MiB each read", out)[1])  # type: ignore[index]
     # Every A and B element of one adapter at float32's 4 bytes.
-    weights = load_file(
-        str(write_lora_adapter(tiny_dir, tmp_path / "adapter", rank=4, seed=0) / "adapter_model.safetensors")
-    )
+    adapter = write_lora_adapter(tiny_dir, tmp_path / "adapter", rank=4, seed=0)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
     assert mib == pytest.approx(4 * sum(t.numel() for t in weights.values()) / (1 << 20), abs=0.005)
+    # A slot holds at least the adapter (fused layers' slots are as wide as all their parts).
+    slot = float(re.search(r"slot memory +([\d.]+) MiB each, 2 slots", out)[1])  # type: ignore[index]
+    assert slot >= mib > 0

@@ -156,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 done = llm.generate(prompts, per_request, lora_request=loras)
                 elapsed = time.perf_counter() - start
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in done) / elapsed)
-    # What the engine holds of each adapter (on each tensor-parallel rank): A and B in the model's dtype.
+    # What the engine holds of each adapter read (on each tensor-parallel rank): its A and B in the
+    # model's dtype; and what one of the max_loras slots takes on the device, on every layer an
+    # adapter changes, at max_lora_rank (in this process only: not with tensor parallelism).
     held = [llm.llm_engine.core.loras[adapter.lora_name][1] for adapter in adapters]
+    runner = getattr(llm.llm_engine.core.executor, "runner", None)
+    slots = runner.lora if runner is not None else None
     base, lora = statistics.median(rates["base"]), statistics.median(rates["lora"])
     print(f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds, median:")
     for label, name, rate in (("base model", "base", base), (f"{args.adapters} adapters", "lora", lora)):
@@ -165,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<16} {rate:8.1f} tokens/s  (rounds: {rounds})")
     print(f"  ratio            {lora / base:8.2f}x")
     print(
-        f"  adapter memory   {max(info.nbytes for info in held) / (1 << 20):8.2f} MiB each "
+        f"  adapter memory   {max(info.nbytes for info in held) / (1 << 20):8.2f} MiB each read "
         f"(rank {args.rank}, {held[0].num_layers} layers)"
     )
+    if slots is not None:
+        slot_bytes = sum(layer.a.nbytes + layer.b.nbytes for layer in slots.layers.values()) // slots.max_loras
+        print(f"  slot memory      {slot_bytes / (1 << 20):8.2f} MiB each, {slots.max_loras} slots on the device")
     return 0
 
 
