@@ -1,8 +1,9 @@
 """LoRA adapters served by vlmserve against transformers + PEFT on the same checkpoint, adapter
 files and prompt: greedy tokens identical, prompt and sample logprobs within the parity tests'
 1e-4 of PEFT's log-softmax. One LLM per family serves every adapter of that family (max_loras=4);
-the adapters target the language model, the vision tower with its merger(s), or both, ranks 8
-and 16, rsLoRA and per-module ranks (rank_pattern / alpha_pattern) spread over the families.
+the adapters target the language model, the vision tower (patch embedding, blocks, merger(s)) or
+both, ranks 8 and 16, rsLoRA and per-module ranks (rank_pattern / alpha_pattern) spread over the
+families.
 
 Then, without transformers: a batch mixing three adapters and the base model gives each request
 the tokens it gets alone, also when the pool holds fewer adapters than the batch names."""
