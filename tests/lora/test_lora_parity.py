@@ -250,3 +250,29 @@ def test_adapter_under_transformers_4_names(
     save_file(renamed, str(folder / "adapter_model.safetensors"))
     out = served.llm.generate(request_for(image), GREEDY, lora_request=LoRARequest("old-names", 9, str(folder)))[0]
     assert list(out.outputs[0].token_ids) == alone[2]
+
+
+@pytest.mark.parametrize("served", ["qwen2_vl"], indirect=True)
+def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(
+    served: Served, image: Image.Image, alone: list[list[int]]
+) -> None:
+    """tensor_parallel_size=2 (two gloo rank processes): each rank holds its slices of A (row-
+    parallel layers: summed over the ranks) or of B (column-parallel, fused parts each sliced),
+    of the tower's too; the mixed batch gets the single process's tokens."""
+    two = LLM(
+        served.model_dir,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=BUDGET,
+        kv_cache_memory_gib=0.02,
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=4,
+        tensor_parallel_size=2,
+    )
+    try:
+        loras = [*served.loras.values(), None]
+        outs = two.generate([request_for(image)] * 4, GREEDY, lora_request=loras)
+        assert [list(o.outputs[0].token_ids) for o in outs] == alone
+    finally:
+        two.shutdown()
