@@ -7,6 +7,8 @@ transformers module names, as `model.named_modules()` lists them:
 
 - language model (every family): model.language_model.layers.N.self_attn.{q,k,v,o}_proj and
   model.language_model.layers.N.mlp.{gate,up,down}_proj;
+- every tower: the patch embedding model.visual.patch_embed.proj (a Conv3d, stride == kernel: PEFT
+  writes lora_A [r, channels, t, p, p] and lora_B [out, r, 1, 1, 1]);
 - Qwen2-VL tower: model.visual.blocks.N.attn.{qkv,proj}, model.visual.blocks.N.mlp.{fc1,fc2},
   merger model.visual.merger.mlp.{0,2};
 - Qwen2.5-VL tower: model.visual.blocks.N.attn.{qkv,proj}, model.visual.blocks.N.mlp.{gate,up,down}_proj,
@@ -28,11 +30,8 @@ import torch
 
 # The language model's attention and MLP projections (every family).
 LANGUAGE_MODEL = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-# The vision tower's blocks and its merger(s), every Linear layer of them (every family).
-VISION_TOWER = (
-    r".*visual\.(blocks|merger|deepstack_merger_list).*"
-    r"\.(qkv|proj|fc1|fc2|linear_fc1|linear_fc2|gate_proj|up_proj|down_proj|mlp\.0|mlp\.2)"
-)
+# The vision tower: its patch embedding and every Linear layer of its blocks and merger(s) (every family).
+VISION_TOWER = r".*visual\..*\.(qkv|proj|fc1|fc2|linear_fc1|linear_fc2|gate_proj|up_proj|down_proj|mlp\.0|mlp\.2)"
 # Both at once.
 WHOLE_MODEL = f"({LANGUAGE_MODEL})|({VISION_TOWER})"
 

@@ -144,12 +144,28 @@ def _grounding(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
+def _lora(tmp: Path, server: Callable[[], Server]) -> Run:
+    # The LoRA example on the demo checkpoint, with a random adapter written for it by the LoRA
+    # benchmark's writer (PEFT's files and names).
+    from vlmserve.bench.lora import write_lora_adapter
+
+    demo = demo_checkpoint_dir()
+    adapter = write_lora_adapter(demo, tmp / "adapter", rank=8, seed=0)
+    subs = {'"path/to/Qwen2.5-VL-3B-Instruct"': repr(str(demo)), '"path/to/captions-adapter"': repr(str(adapter))}
+
+    def check(stdout: str) -> None:
+        assert stdout.strip(), "the LoRA example printed nothing"
+
+    return Run(tmp, subs, check)
+
+
 # A python block is recognised by a line it holds; each must be exactly one of these.
 PYTHON_RUNS: dict[str, Callable[[Path, Callable[[], Server]], Run]] = {
     'llm = LLM("Qwen/Qwen2-VL-2B-Instruct")': _intro,
     'client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY")': _openai,
     '"path/to/Qwen2-VL-2B-Instruct",': _options,
     'llm = LLM("Qwen/Qwen2.5-VL-3B-Instruct")': _grounding,
+    'adapter = LoRARequest("captions", 1, "path/to/captions-adapter")': _lora,
 }
 
 
