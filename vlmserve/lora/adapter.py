@@ -217,6 +217,11 @@ def _split_name(name: str, where: str) -> tuple[str, str]:
         for tail in (f".{kind}.weight", f".{kind}.default.weight"):
             if name.endswith(tail):
                 return name[: -len(tail)].removeprefix(PEFT_PREFIX), kind
+    if ".base_layer." in name:
+        raise LoRAError(
+            f"{where}: {name} is a copy of a base layer saved with the adapter (PEFT does so for an adapted "
+            "output layer or embedding): adapters of the output layer and embeddings are not served"
+        )
     if ".lora_embedding_" in name:
         raise LoRAError(f"{where}: {name}: adapters of embedding layers are not served")
     if ".lora_magnitude_vector" in name:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -68,11 +68,15 @@ class LoRAManager:
     def _linear_layers(self) -> dict[str, tuple[nn.Module, int, bool]]:
         """The layers adapters may change: name -> (module, slot width, row-parallel)."""
         found: dict[str, tuple[nn.Module, int, bool]] = {}
+        # A fused layer's parts: its checkpoint modules (q_proj, k_proj, v_proj -> qkv_proj), which
+        # a tensor-parallel layer's spec also lists (a layer without one: the table's alone).
+        fused_parts = Counter(fused for fused, _ in self.table.packed.values())
         for name, module in self.model.named_modules():
             if not hasattr(module, "in_features") or name.endswith("lm_head"):
                 continue
             spec = weight_spec(module)
-            parts = len(spec.parts) if spec is not None and spec.dim == 0 else 1
+            spec_parts = len(spec.parts) if spec is not None and spec.dim == 0 else 1
+            parts = max(spec_parts, fused_parts[name.rpartition(".")[2]], 1)
             found[name] = (module, parts * self.max_lora_rank, spec is not None and spec.dim == 1)
         return found
 
@@ -83,6 +87,12 @@ class LoRAManager:
         if held is None or held.request != lora:
             held = read_adapter(lora, self.model, self.table, self.vision, self.max_lora_rank, self.dtype, self.device)
             self._hook([name for name in held.modules if name not in self.layers])
+            for name, delta in held.modules.items():
+                if delta.a.shape[0] > self.layers[name].cols:
+                    raise LoRAError(
+                        f"adapter {lora.lora_name!r} ({lora.lora_path}): layer {name} takes ranks summing to at most "
+                        f"{self.layers[name].cols} over its parts, the adapter's sum to {delta.a.shape[0]}"
+                    )
             self.adapters[lora.lora_name] = held
             logger.info(
                 "LoRA adapter %r loaded from %s: %d layers, rank %d, %.1f MiB%s",
