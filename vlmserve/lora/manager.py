@@ -56,14 +56,16 @@ class LoRAManager:
         self._slot_op: LinearOp | None = None
 
     def reserved_bytes(self) -> int:
-        """What adapters may take, for the memory plan: the slots and the `capacity` adapters held
-        in the model's dtype, each as one changing every linear layer at max_lora_rank (a fused
-        layer's parts each of that rank), this rank's slices."""
+        """What adapters may take of the device, for the memory plan: the slots, and on the CPU
+        the `capacity` adapters kept (host memory), in the model's dtype, each as one changing
+        every linear layer at max_lora_rank (a fused layer's parts each of that rank), this
+        rank's slices."""
         size = torch.empty((), dtype=self.dtype).element_size()
         per_adapter = 0
         for module, cols, _ in self._linear_layers().values():
             per_adapter += cols * (int(module.in_features) + int(module.out_features))  # type: ignore[arg-type]
-        return (self.capacity + self.max_loras) * per_adapter * size
+        held = self.capacity if self.device.type == "cpu" else 0  # the kept ones are in host memory
+        return (held + self.max_loras) * per_adapter * size
 
     def _linear_layers(self) -> dict[str, tuple[nn.Module, int, bool]]:
         """The layers adapters may change: name -> (module, slot width, row-parallel)."""
@@ -85,7 +87,9 @@ class LoRAManager:
         id); LoRAError where it cannot run on this model."""
         held = self.adapters.get(lora.lora_name)
         if held is None or held.request != lora:
-            held = read_adapter(lora, self.model, self.table, self.vision, self.max_lora_rank, self.dtype, self.device)
+            # Kept in host memory (as vLLM's CPU pool); a slot on the device takes a copy.
+            cpu = torch.device("cpu")
+            held = read_adapter(lora, self.model, self.table, self.vision, self.max_lora_rank, self.dtype, cpu)
             self._hook([name for name in held.modules if name not in self.layers])
             for name, delta in held.modules.items():
                 if delta.a.shape[0] > self.layers[name].cols:
