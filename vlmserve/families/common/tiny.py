@@ -130,13 +130,14 @@ def write_checkpoint(out_dir: str | Path, files: dict[str, object], write_rest: 
     """Write a checkpoint folder into `out_dir` (created; written atomically: in a temporary
     folder beside it, then renamed, so a reader never sees half of one): `files` by name (a str
     as it is, anything else as indented JSON), then what write_rest writes into the folder
-    (tokenizer files, weights)."""
+    (tokenizer files, weights). A name may hold folders ("1_Pooling/config.json")."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
     try:
         for name, content in files.items():
             text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False) + "\n"
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # "1_Pooling/config.json"
             (tmp / name).write_text(text, encoding="utf-8")
         write_rest(tmp)
         if out.exists():

@@ -26,6 +26,7 @@ from vlmserve.families.common.tiny import (
     tiny_info,
     write_checkpoint,
 )
+from vlmserve.families.qwen3_vl.tiny_retrieval import sentence_transformers_files
 from vlmserve.model_files import VOCAB_SIZE, save_weights
 from vlmserve.tools.tiktoken_to_hf import write_tokenizer_files
 
@@ -131,6 +132,7 @@ QWEN3_VL_ADDED_TOKENS = [
 FIRST_ADDED_ID = 151643
 
 ARCHES = ("qwen3_vl", "qwen3_vl_moe")
+TASKS = ("generate", "embedding", "reranker")
 _ARCHITECTURE = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
@@ -155,6 +157,11 @@ class TinySpec:
     num_position_embeddings: int = 64
     tie_word_embeddings: bool = True
     dtype: str = "bfloat16"
+    # What the checkpoint is published for: "generate" (the Instruct checkpoints), "embedding"
+    # (Qwen3-VL-Embedding: no lm_head.weight at all, tied or not, and sentence-transformers' files)
+    # or "reranker" (Qwen3-VL-Reranker: a generation checkpoint whose lm_head rows of "yes" and "no"
+    # score a pair).
+    task: str = "generate"
     # MoE (arch "qwen3_vl_moe"): 2 * moe_intermediate_size differs from hidden_size, so an expert
     # matrix loaded the wrong way round fails on its shape.
     num_experts: int = 8
@@ -192,10 +199,19 @@ QWEN3_VL_2B_SPEC = replace(
     vision_intermediate_size=4096,
     deepstack_visual_indexes=(5, 11, 17),
 )
+# Qwen3-VL-Embedding-8B's layout: tie_word_embeddings false in config.json and still no
+# lm_head.weight in its safetensors index, so a loader must not ask for one.
+EMBEDDING_SPEC = TinySpec(tie_word_embeddings=False, task="embedding")
+# Qwen3-VL-Reranker as its published script reads it: a generation checkpoint whose lm_head rows
+# of "yes" and "no" make the score; untied, as Qwen3-VL-8B is, so that reading the embedding's
+# rows instead gives another score.
+RERANKER_SPEC = TinySpec(tie_word_embeddings=False, task="reranker")
 PRESETS = {
     ("qwen3_vl", "tiny"): TinySpec(),
     ("qwen3_vl", "bench"): BENCH_SPEC,
     ("qwen3_vl", "2b"): QWEN3_VL_2B_SPEC,
+    ("qwen3_vl", "embedding"): EMBEDDING_SPEC,
+    ("qwen3_vl", "reranker"): RERANKER_SPEC,
     ("qwen3_vl_moe", "tiny"): MOE_SPEC,
 }
 
@@ -203,6 +219,8 @@ PRESETS = {
 def config_json(spec: TinySpec) -> dict[str, object]:
     if spec.arch not in ARCHES:
         raise ValueError(f"unknown arch {spec.arch!r}; choose one of {ARCHES}")
+    if spec.task not in TASKS:
+        raise ValueError(f"unknown task {spec.task!r}; choose one of {TASKS}")
     rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_interleaved": True}
     text = text_config_json(spec, f"{spec.arch}_text", rope)
     if spec.arch == "qwen3_vl_moe":
@@ -217,7 +235,7 @@ def config_json(spec: TinySpec) -> dict[str, object]:
     vision = vision_config_json(spec, f"{spec.arch}_vision") | {
         "deepstack_visual_indexes": list(spec.deepstack_visual_indexes)
     }
-    return {
+    config: dict[str, object] = {
         "architectures": [_ARCHITECTURE[spec.arch]],
         "model_type": spec.arch,
         "dtype": spec.dtype,
@@ -229,6 +247,9 @@ def config_json(spec: TinySpec) -> dict[str, object]:
         "text_config": text,
         "vision_config": vision,
     }
+    if spec.task == "embedding":
+        config["use_cache"] = False  # as Qwen3-VL-Embedding's config.json has it
+    return config
 
 
 def text_config_json(spec: Any, model_type: str, rope: dict[str, object]) -> dict[str, object]:
@@ -300,7 +321,7 @@ def random_weights(spec: TinySpec, seed: int = 0) -> dict[str, torch.Tensor]:
         else:
             weights |= swiglu_weights(w, p + "mlp.", h, i)
     weights[lm + "norm.weight"] = w.vec(h, 1.0, 0.1)
-    if not spec.tie_word_embeddings:
+    if not spec.tie_word_embeddings and spec.task != "embedding":
         weights["lm_head.weight"] = w.embedding(VOCAB_SIZE, h)
 
     weights |= vision_weights(
@@ -384,8 +405,10 @@ def write_tiny_qwen3_vl(
     out_dir: str | Path, spec: TinySpec = TinySpec(), *, seed: int = 0, num_shards: int = 1
 ) -> Path:
     """Write the checkpoint into `out_dir` (created; written atomically)."""
+    config = config_json(spec)
+    extra = sentence_transformers_files(spec.hidden_size) if spec.task == "embedding" else {}
     return write_qwen3_vl_files(
-        out_dir, config_json(spec), random_weights(spec, seed), tiny_info(spec, seed), num_shards
+        out_dir, config, random_weights(spec, seed), tiny_info(spec, seed), num_shards, extra=extra
     )
 
 
@@ -396,10 +419,12 @@ def write_qwen3_vl_files(
     info: dict[str, object],
     num_shards: int = 1,
     chat_template: dict[str, object] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> Path:
     """A checkpoint of Qwen3-VL's files (tokenizer, chat template, processor configs) around the
     given config.json, weights and vlmserve_tiny.json, written atomically into `out_dir`;
-    Qwen3.5's tiny writer uses it too, with its own `chat_template` (file name -> content)."""
+    Qwen3.5's tiny writer uses it too, with its own `chat_template` (file name -> content);
+    `extra` more files by relative path (the embedding checkpoints' sentence-transformers files)."""
     files: dict[str, object] = {
         "config.json": config,
         "generation_config.json": {
@@ -418,6 +443,7 @@ def write_qwen3_vl_files(
         "vlmserve_tiny.json": info,
     }
     files |= chat_template or {"chat_template.json": {"chat_template": QWEN3_VL_CHAT_TEMPLATE}}
+    files |= extra or {}
 
     def write_rest(folder: Path) -> None:
         added = [(FIRST_ADDED_ID + k, tok, special) for k, (tok, special) in enumerate(QWEN3_VL_ADDED_TOKENS)]
