@@ -297,6 +297,16 @@ def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
+def qwen25_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen2.5-VL with the default flags."""
+    from tests.api.conftest import start_server
+
+    s = start_server(tiny25_dir, tmp_path_factory.mktemp("qwen25-server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Qwen3-VL with the default flags."""
     from tests.api.conftest import start_server
