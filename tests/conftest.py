@@ -307,6 +307,20 @@ def qwen25_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
+def qwen25_tool_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen2.5-VL (its template takes tools) with auto tool choice, the hermes tool parser, the
+    qwen3 reasoning parser and a store of two responses: the tool calls' and the responses' tests.
+    (The tool parser reads only answers to requests with tools; the store holds only responses.)"""
+    from tests.api.conftest import start_server
+
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    store = ("--responses-store-max-entries", "2")
+    s = start_server(tiny25_dir, tmp_path_factory.mktemp("qwen25-tool-server"), *tools, *store)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Qwen3-VL with the default flags."""
     from tests.api.conftest import start_server
