@@ -118,6 +118,22 @@ def images() -> dict[str, Image.Image]:
 
 
 @pytest.fixture(scope="session")
+def small_vocab_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_dir cut to a few tokens (tests/beam_oracle.py), where every beam can be enumerated:
+    the offline and the served beam search tests."""
+    from tests.beam_oracle import write_small_vocab
+
+    return write_small_vocab(tiny_dir, tmp_path_factory.mktemp("ckpt") / "tiny-small-vocab")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_hf(small_vocab_dir: Path):  # type: ignore[no-untyped-def]
+    from tests.beam_oracle import load_hf
+
+    return load_hf(small_vocab_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2.5-VL (QWEN2_5_VL_SPEC): four vision blocks, windows of 4 x 4 merged tokens in blocks
     0 and 2, whole frames in 1 and 3; tied embeddings, transformers 4.x flat config, one
