@@ -286,6 +286,15 @@ def hf35_moe_model(tiny35_moe_dir: Path):  # type: ignore[no-untyped-def]
     return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(tiny35_moe_dir), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir: Path):  # type: ignore[no-untyped-def]
+    """The offline engine on tiny_dir at the `server` fixture's model length and KV cache: the
+    server's tests compare with it, the token handles' tests run on it."""
+    from vlmserve import LLM
+
+    return LLM(tiny_dir, dtype="float32", max_model_len=4096, kv_cache_memory_gib=0.05)
+
+
 # -- servers ---------------------------------------------------------------------------------------
 # Shared by the whole session (tests/serve and the families' conformance suite): a start costs an
 # API and an engine process importing torch and loading the model. Tests on them assert on their
