@@ -353,3 +353,17 @@ def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded demo checkpoint served as "demo" and under the name `vlmserve serve` with no
+    model gives it (its folder's): README's openai snippet and the demo model's tests."""
+    from tests.api.conftest import start_server
+    from vlmserve.tools.demo_checkpoint import demo_checkpoint_dir
+
+    demo = demo_checkpoint_dir()
+    names = ("--served-model-name", "demo", demo.name)
+    s = start_server(demo, tmp_path_factory.mktemp("demo-server"), *names, served_model_name=None)
+    yield s
+    s.stop()
