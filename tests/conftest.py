@@ -118,6 +118,22 @@ def images() -> dict[str, Image.Image]:
 
 
 @pytest.fixture(scope="session")
+def small_vocab_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_dir cut to a few tokens (tests/beam_oracle.py), where every beam can be enumerated:
+    the offline and the served beam search tests."""
+    from tests.beam_oracle import write_small_vocab
+
+    return write_small_vocab(tiny_dir, tmp_path_factory.mktemp("ckpt") / "tiny-small-vocab")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_hf(small_vocab_dir: Path):  # type: ignore[no-untyped-def]
+    from tests.beam_oracle import load_hf
+
+    return load_hf(small_vocab_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2.5-VL (QWEN2_5_VL_SPEC): four vision blocks, windows of 4 x 4 merged tokens in blocks
     0 and 2, whole frames in 1 and 3; tied embeddings, transformers 4.x flat config, one
@@ -270,6 +286,15 @@ def hf35_moe_model(tiny35_moe_dir: Path):  # type: ignore[no-untyped-def]
     return Qwen3_5MoeForConditionalGeneration.from_pretrained(str(tiny35_moe_dir), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir: Path):  # type: ignore[no-untyped-def]
+    """The offline engine on tiny_dir at the `server` fixture's model length and KV cache: the
+    server's tests compare with it, the token handles' tests run on it."""
+    from vlmserve import LLM
+
+    return LLM(tiny_dir, dtype="float32", max_model_len=4096, kv_cache_memory_gib=0.05)
+
+
 # -- servers ---------------------------------------------------------------------------------------
 # Shared by the whole session (tests/serve and the families' conformance suite): a start costs an
 # API and an engine process importing torch and loading the model. Tests on them assert on their
@@ -297,10 +322,48 @@ def qwen_server(tiny_qwen_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
+def qwen25_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen2.5-VL with the default flags."""
+    from tests.api.conftest import start_server
+
+    s = start_server(tiny25_dir, tmp_path_factory.mktemp("qwen25-server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen25_tool_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen2.5-VL (its template takes tools) with auto tool choice, the hermes tool parser, the
+    qwen3 reasoning parser and a store of two responses: the tool calls' and the responses' tests.
+    (The tool parser reads only answers to requests with tools; the store holds only responses.)"""
+    from tests.api.conftest import start_server
+
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    store = ("--responses-store-max-entries", "2")
+    s = start_server(tiny25_dir, tmp_path_factory.mktemp("qwen25-tool-server"), *tools, *store)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Qwen3-VL with the default flags."""
     from tests.api.conftest import start_server
 
     s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded demo checkpoint served as "demo" and under the name `vlmserve serve` with no
+    model gives it (its folder's): README's openai snippet and the demo model's tests."""
+    from tests.api.conftest import start_server
+    from vlmserve.tools.demo_checkpoint import demo_checkpoint_dir
+
+    demo = demo_checkpoint_dir()
+    names = ("--served-model-name", "demo", demo.name)
+    s = start_server(demo, tmp_path_factory.mktemp("demo-server"), *names, served_model_name=None)
     yield s
     s.stop()

@@ -28,13 +28,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server
 from tests.conftest import write_video
 from vlmserve.tools import scenes
 from vlmserve.tools.demo_checkpoint import demo_checkpoint_dir
@@ -175,22 +175,11 @@ def _handler(block: Block) -> Callable[[Path, Callable[[], Server]], Run]:
     return PYTHON_RUNS[key]
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Server]]:
+@pytest.fixture
+def demo_server(request: pytest.FixtureRequest) -> Callable[[], Server]:
     """The server README's openai snippet expects (`vlmserve serve`, no model: the demo checkpoint
-    under its folder's name), started on first use."""
-    started: list[Server] = []
-
-    def get() -> Server:
-        if not started:
-            demo = demo_checkpoint_dir()
-            names = ("--served-model-name", demo.name)
-            started.append(start_server(demo, tmp_path_factory.mktemp("docs-server"), *names, served_model_name=None))
-        return started[0]
-
-    yield get
-    for s in started:
-        s.stop()
+    under its folder's name), started on first use: the session's (tests/conftest.py)."""
+    return lambda: request.getfixturevalue("demo_checkpoint_server")
 
 
 @pytest.mark.slow

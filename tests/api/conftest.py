@@ -151,7 +151,8 @@ def start_server(
     return server
 
 
-# The default servers (`server`: Qwen2-VL, `qwen_server`: Qwen-VL-Chat, `qwen3_server`: Qwen3-VL)
+# The default servers (`server`: Qwen2-VL, `qwen25_server`: Qwen2.5-VL, `qwen_server`: Qwen-VL-Chat,
+# `qwen3_server`: Qwen3-VL)
 # are session fixtures in tests/conftest.py, shared with the families' conformance suite.
 
 

@@ -16,19 +16,19 @@ import openai
 import pytest
 
 from tests.api.conftest import Server, segments_left, start_server
-from tests.beam_oracle import EOS, exhaustive, load_hf, write_small_vocab
+from tests.beam_oracle import EOS, exhaustive
 
 PROMPT = [0]
 
 
 @pytest.fixture(scope="module")
-def small_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_small_vocab(tiny_dir, tmp_path_factory.mktemp("ckpt") / "tiny-small-vocab")
+def small_dir(small_vocab_dir: Path) -> Path:
+    return small_vocab_dir  # the session's (tests/conftest.py), shared with the other beam search tests
 
 
 @pytest.fixture(scope="module")
-def small_hf(small_dir: Path):  # type: ignore[no-untyped-def]
-    return load_hf(small_dir)
+def small_hf(small_vocab_hf):  # type: ignore[no-untyped-def]
+    return small_vocab_hf
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ from the grammar), previous_response_id over the bounded store, GET and DELETE, 
 typed events the client puts together; and the same admission, API key and body checks as chat.
 
 `server` (tests/conftest.py) is the tiny Qwen2-VL (its template takes no tools); `tool_server`
-here is the tiny Qwen2.5-VL, whose template takes tools, with --reasoning-parser qwen3 and a store
-of two responses."""
+is the session's tiny Qwen2.5-VL, whose template takes tools, with --reasoning-parser qwen3 and a
+store of two responses."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from tests.api.conftest import Server, data_url, picture, start_server
+from tests.api.conftest import Server, data_url, picture
 
 SCHEMA = {
     "type": "object",
@@ -52,11 +51,11 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tool_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    extra = ("--reasoning-parser", "qwen3", "--responses-store-max-entries", "2")
-    s = start_server(tiny25_dir, tmp_path_factory.mktemp("responses-server"), *extra)
-    yield s
-    s.stop()
+def tool_server(qwen25_tool_server: Server) -> Server:
+    """The session's tiny Qwen2.5-VL with --reasoning-parser qwen3 and --responses-store-max-entries 2
+    (tests/conftest.py; it has the tool calls' flags too, which no request here with tools asks for:
+    each names its tool_choice)."""
+    return qwen25_tool_server
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,8 +22,8 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_dir: Path) -> LLM:
-    return LLM(tiny_dir, dtype="float32", max_model_len=4096, kv_cache_memory_gib=0.05)
+def offline(tiny_llm: LLM) -> LLM:
+    return tiny_llm  # the session's (tests/conftest.py)
 
 
 def metric_values(server: Server) -> dict[str, float]:

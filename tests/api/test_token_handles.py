@@ -20,8 +20,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir: Path) -> LLM:
-    return LLM(tiny_dir, dtype="float32", max_model_len=4096, kv_cache_memory_gib=0.05)
+def llm(tiny_llm: LLM) -> LLM:
+    return tiny_llm  # the session's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import openai
 import pytest
 import transformers
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server
 
 WEATHER = {
     "type": "function",
@@ -39,11 +38,10 @@ GREEDY = {"temperature": 0, "max_tokens": 40}
 
 
 @pytest.fixture(scope="module")
-def tool_server(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    extra = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    s = start_server(tiny25_dir, tmp_path_factory.mktemp("tool-server"), *extra)
-    yield s
-    s.stop()
+def tool_server(qwen25_tool_server: Server) -> Server:
+    """The session's tiny Qwen2.5-VL with --enable-auto-tool-choice, --tool-call-parser hermes and
+    --reasoning-parser qwen3 (tests/conftest.py)."""
+    return qwen25_tool_server
 
 
 @pytest.fixture(scope="module")

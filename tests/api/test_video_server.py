@@ -230,13 +230,6 @@ def test_bad_videos_get_a_400_and_the_server_goes_on(video_server: Server, make,
 
 
 @pytest.fixture(scope="module")
-def server25(tiny25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(tiny25_dir, tmp_path_factory.mktemp("video-server-25"))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def offline25(tiny25_dir: Path) -> LLM:
     return LLM(
         tiny25_dir,
@@ -248,7 +241,7 @@ def offline25(tiny25_dir: Path) -> LLM:
 
 
 def test_qwen2_5_vl_video_is_answered_as_offline_and_as_transformers(  # type: ignore[no-untyped-def]
-    server25: Server, offline25: LLM, hf25_model
+    qwen25_server: Server, offline25: LLM, hf25_model
 ) -> None:
     # 16 frames at 10 fps, sampled at fps 5: 8 frames, 4 temporal patches 2 / 5 = 0.4 s apart.
     # With tokens_per_second 2 their temporal positions are int(t * 0.8) = 0, 0, 1, 2: neither
@@ -262,7 +255,9 @@ def test_qwen2_5_vl_video_is_answered_as_offline_and_as_transformers(  # type: i
     tokens = 6
     expected, token_ids = offline_answer(offline25, messages, tokens)
 
-    client = openai.OpenAI(base_url=server25.url + "/v1", api_key=server25.api_key, max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=qwen25_server.url + "/v1", api_key=qwen25_server.api_key, max_retries=0, timeout=120
+    )
     reply = ask(client, messages, tokens)
     assert_same_answer(served(reply), expected)
 

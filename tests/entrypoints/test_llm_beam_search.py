@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.beam_oracle import EOS, exhaustive, load_hf, write_small_vocab
+from tests.beam_oracle import EOS, exhaustive
 from tests.conftest import random_image
 from tests.reference import IMAGE_TOKEN_ID, hf_prompt_ids
 from vlmserve.api.beam_search import BeamSearchParams
@@ -23,13 +23,13 @@ PROMPT = [0]  # one token: the score's length (prompt included) differs most bet
 
 
 @pytest.fixture(scope="module")
-def small_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_small_vocab(tiny_dir, tmp_path_factory.mktemp("ckpt") / "tiny-small-vocab")
+def small_dir(small_vocab_dir: Path) -> Path:
+    return small_vocab_dir  # the session's (tests/conftest.py), shared with the other beam search tests
 
 
 @pytest.fixture(scope="module")
-def small_hf(small_dir: Path):  # type: ignore[no-untyped-def]
-    return load_hf(small_dir)
+def small_hf(small_vocab_hf):  # type: ignore[no-untyped-def]
+    return small_vocab_hf
 
 
 @pytest.fixture(scope="module")

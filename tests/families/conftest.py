@@ -36,7 +36,7 @@ class Case:
 
 CASES = {
     "qwen2_vl": Case("tiny_dir", "hf_model", server="server"),
-    "qwen2_5_vl": Case("tiny25_dir", "hf25_model"),
+    "qwen2_5_vl": Case("tiny25_dir", "hf25_model", server="qwen25_server"),
     "qwen3_vl": Case("tiny3_dir", "hf3_model", server="qwen3_server"),
     "qwen3_vl_moe": Case("tiny3_moe_dir", "hf3_moe_model"),
     "qwen3_5": Case("tiny35_dir", "hf35_model"),

@@ -17,14 +17,14 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.api.conftest import Server, start_server
+from tests.api.conftest import Server
 from tests.entrypoints.test_cli import REPO, vlmserve
 from vlmserve import LLM
 from vlmserve.kernels.cpu import load_cpu_kernels
@@ -172,12 +172,10 @@ def test_cli_describes_the_example(demo_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo_server(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # "demo", and the name `vlmserve serve` gives the demo checkpoint (its folder's)
-    names = ("--served-model-name", "demo", demo_dir.name)
-    s = start_server(demo_dir, tmp_path_factory.mktemp("demo-server"), *names, served_model_name=None)
-    yield s
-    s.stop()
+def demo_server(demo_checkpoint_server: Server) -> Server:
+    # "demo", and the name `vlmserve serve` gives the demo checkpoint (its folder's): the session's
+    # (tests/conftest.py), which README's openai snippet asks too
+    return demo_checkpoint_server
 
 
 @pytest.mark.server
