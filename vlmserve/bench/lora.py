@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(rank {args.rank}, {held[0].num_layers} layers)"
     )
     if slots is not None:
-        slot_bytes = sum(layer.a.nbytes + layer.b.nbytes for layer in slots.layers.values()) // slots.max_loras
+        slot_bytes = sum(layer.nbytes for layer in slots.layers.values()) // slots.max_loras
         print(f"  slot memory      {slot_bytes / (1 << 20):8.2f} MiB each, {slots.max_loras} slots on the device")
     return 0
 

@@ -2,15 +2,16 @@
 adapter or none.
 
 A layer some loaded adapter targets carries a forward hook (added when the first such adapter is
-loaded; a layer no adapter targets runs as it always did) and max_loras slots: A [slots * cols,
-in] and B [out, slots * cols], `cols` = max_lora_rank times the layer's parts (3 for a fused q, k,
-v; 2 for gate, up). An adapter running in a step sits in a slot: its A rows and B columns there,
-zeros where it does not reach (a layer it does not target, a part it leaves out, ranks below the
-largest). A step's update of a layer is then two products whatever its adapters:
+loaded; a layer no adapter targets runs as it always did) and max_loras slots: A [parts * slots *
+rank, in] and, per part of its output, B [size, slots * rank] (3 parts for a fused q, k, v; 2 for
+gate, up; `rank` is max_lora_rank). An adapter running in a step sits in a slot: its A rows and B
+columns there, zeros where it does not reach (a layer it does not target, a part it leaves out,
+ranks below the largest). A step's update of a layer is then a product per part whatever its
+adapters:
 
     h = x @ A.T            (every row against every slot)
     h *= mask              (each row keeps its own slot's columns; the base model's none)
-    out += h @ B.T
+    out += h @ B.T         (for a fused layer, part by part: B is block-diagonal over its parts)
 
 the gathered form of vLLM's punica kernels (not a forward per adapter, nor a gather of per-row
 matrices). The products run on the whole slot matrices, whose shapes are fixed, with the
@@ -103,33 +104,49 @@ class LoRALayer:
         name: str,
         rows: LoRARows,
         in_features: int,
-        out_features: int,
-        cols: int,
+        parts: list[tuple[int, int]],
+        rank: int,
         slots: int,
         reduce: bool,
         dtype: torch.dtype,
         device: torch.device,
         op: LinearOp,
     ) -> None:
+        """parts: the (offset, size) of each fused part of the layer's output (one for a layer
+        not fused). A holds part p's ranks of slot s at rows (p * slots + s) * rank; B one matrix
+        per part, [size, slots * rank]: a fused layer's B is block-diagonal over its parts, so
+        each part's product reads only its own block."""
         self.name = name
         self.rows = rows
         self.op = op
-        self.cols = cols
+        self.parts = parts
+        self.rank = rank
+        self.slots = slots
         self.reduce = reduce  # row-parallel: x @ A.T is each rank's partial sum
-        self.a = torch.zeros(slots * cols, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, slots * cols, dtype=dtype, device=device)
+        self.a = torch.zeros(len(parts) * slots * rank, in_features, dtype=dtype, device=device)
+        self.b = [torch.zeros(size, slots * rank, dtype=dtype, device=device) for _, size in parts]
+
+    @property
+    def nbytes(self) -> int:
+        """The slots' A and B, all of them."""
+        return sum(t.numel() * t.element_size() for t in [self.a, *self.b])
+
+    def fits(self, delta: ModuleDelta) -> bool:
+        """Whether each of the update's parts is one of the layer's (its rank is checked when read)."""
+        return all((offset, size) in self.parts for offset, size, _, _ in delta.parts)
 
     def load(self, slot: int, delta: ModuleDelta | None) -> None:
         """Put an adapter's update in a slot (None: the adapter leaves this layer alone)."""
-        lo = slot * self.cols
-        a, b = self.a[lo : lo + self.cols], self.b[:, lo : lo + self.cols]
-        a.zero_()
-        b.zero_()
+        r = self.rank
+        for p, b in enumerate(self.b):
+            self.a[(p * self.slots + slot) * r :][:r].zero_()
+            b[:, slot * r : (slot + 1) * r].zero_()
         if delta is None:
             return
-        a[: delta.a.shape[0]] = delta.a
         for (offset, size, r0, r1), part in zip(delta.parts, delta.b, strict=True):
-            b[offset : offset + size, r0:r1] = part
+            p = self.parts.index((offset, size))
+            self.a[(p * self.slots + slot) * r :][: r1 - r0] = delta.a[r0:r1]
+            self.b[p][:, slot * r : slot * r + r1 - r0] = part
 
     def __call__(
         self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
@@ -144,9 +161,13 @@ class LoRALayer:
         rows = by_count[key]
         if rows is None:
             return None
-        h = self.op(x.to(self.a.dtype), self.a, None)
-        h *= rows.mask(self.cols, h.dtype)
+        h = self.op(x.to(self.a.dtype), self.a, None).view(x.shape[0], len(self.parts), -1)
+        h *= rows.mask(self.rank, h.dtype)[:, None, :]
         if self.reduce:
             h = all_reduce(h)
-        output += self.op(h, self.b, None).to(output.dtype)
+        if len(self.parts) == 1:
+            output += self.op(h[:, 0], self.b[0], None).to(output.dtype)
+            return output
+        for p, (offset, size) in enumerate(self.parts):
+            output[:, offset : offset + size] += self.op(h[:, p], self.b[p], None).to(output.dtype)
         return output

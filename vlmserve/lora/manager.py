@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -61,25 +61,35 @@ class LoRAManager:
         every linear layer at max_lora_rank (a fused layer's parts each of that rank), this
         rank's slices."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        per_adapter = 0
-        for module, cols, _ in self._linear_layers().values():
-            per_adapter += cols * (int(module.in_features) + int(module.out_features))  # type: ignore[arg-type]
+        rank, per_adapter = self.max_lora_rank, 0
+        for module, parts, _ in self._linear_layers().values():
+            per_adapter += rank * (len(parts) * int(module.in_features) + int(module.out_features))  # type: ignore[arg-type]
         held = self.capacity if self.device.type == "cpu" else 0  # the kept ones are in host memory
         return (held + self.max_loras) * per_adapter * size
 
-    def _linear_layers(self) -> dict[str, tuple[nn.Module, int, bool]]:
-        """The layers adapters may change: name -> (module, slot width, row-parallel)."""
-        found: dict[str, tuple[nn.Module, int, bool]] = {}
-        # A fused layer's parts: its checkpoint modules (q_proj, k_proj, v_proj -> qkv_proj), which
-        # a tensor-parallel layer's spec also lists (a layer without one: the table's alone).
-        fused_parts = Counter(fused for fused, _ in self.table.packed.values())
+    def _linear_layers(self) -> dict[str, tuple[nn.Module, list[tuple[int, int]], bool]]:
+        """The layers adapters may change: name -> (module, the (offset, size) of each part of its
+        output on this rank, row-parallel). A fused layer's parts are its checkpoint modules
+        (q_proj, k_proj, v_proj -> qkv_proj): a tensor-parallel layer's spec lists them, a layer
+        without one has the weight table's offsets."""
+        found: dict[str, tuple[nn.Module, list[tuple[int, int]], bool]] = {}
+        shards: dict[str, list[str]] = {}
+        for fused, shard in self.table.packed.values():
+            shards.setdefault(fused, []).append(shard)
         for name, module in self.model.named_modules():
             if not hasattr(module, "in_features") or name.endswith("lm_head"):
                 continue
             spec = weight_spec(module)
-            spec_parts = len(spec.parts) if spec is not None and spec.dim == 0 else 1
-            parts = max(spec_parts, fused_parts[name.rpartition(".")[2]], 1)
-            found[name] = (module, parts * self.max_lora_rank, spec is not None and spec.dim == 1)
+            shard_ids = shards.get(name.rpartition(".")[2], [])
+            parts = [(0, int(module.out_features))]  # type: ignore[arg-type]
+            # (A spec's parts without names are the rank's slices of one checkpoint module, the
+            # vision tower's fused qkv: one part for adapters.)
+            if spec is not None and spec.dim == 0 and len(spec.names) > 1:
+                offsets = [sum(p.size for p in spec.parts[:i]) for i in range(len(spec.parts))]
+                parts = [(offset, p.size) for offset, p in zip(offsets, spec.parts, strict=True)]
+            elif spec is None and len(shard_ids) > 1 and self.table.shards is not None:
+                parts = sorted(self.table.shards(f"{name}.weight", shard) for shard in shard_ids)
+            found[name] = (module, parts, spec is not None and spec.dim == 1)
         return found
 
     def add(self, lora: LoRARequest) -> AdapterInfo:
@@ -92,10 +102,10 @@ class LoRAManager:
             held = read_adapter(lora, self.model, self.table, self.vision, self.max_lora_rank, self.dtype, cpu)
             self._hook([name for name in held.modules if name not in self.layers])
             for name, delta in held.modules.items():
-                if delta.a.shape[0] > self.layers[name].cols:
+                if not self.layers[name].fits(delta):
                     raise LoRAError(
-                        f"adapter {lora.lora_name!r} ({lora.lora_path}): layer {name} takes ranks summing to at most "
-                        f"{self.layers[name].cols} over its parts, the adapter's sum to {delta.a.shape[0]}"
+                        f"adapter {lora.lora_name!r} ({lora.lora_path}): its update of layer {name} covers outputs "
+                        f"{[(o, s) for o, s, _, _ in delta.parts]}, the layer's parts are {self.layers[name].parts}"
                     )
             self.adapters[lora.lora_name] = held
             logger.info(
@@ -120,13 +130,13 @@ class LoRAManager:
         adapters in them leave these layers alone)."""
         layers = self._linear_layers() if names else {}
         for name in names:
-            module, cols, reduce = layers[name]
+            module, parts, reduce = layers[name]
             layer = LoRALayer(
                 name,
                 self.rows,
                 module.in_features,  # type: ignore[arg-type]
-                module.out_features,  # type: ignore[arg-type]
-                cols,
+                parts,
+                self.max_lora_rank,
                 self.max_loras,
                 reduce,
                 self.dtype,
@@ -141,9 +151,10 @@ class LoRAManager:
         their shapes (every layer's, chosen once: a few milliseconds a shape), else torch's."""
         if self._slot_op is None:
             shapes = set()
-            for module, cols, _ in self._linear_layers().values():
-                width = cols * self.max_loras
-                shapes |= {(width, int(module.in_features)), (int(module.out_features), width)}  # type: ignore[arg-type]
+            width = self.max_lora_rank * self.max_loras
+            for module, parts, _ in self._linear_layers().values():
+                shapes.add((width * len(parts), int(module.in_features)))  # type: ignore[arg-type]
+                shapes |= {(size, width) for _, size in parts}
             self._slot_op = select_linear_op(self.device, self.dtype, shapes)
         return self._slot_op
 
