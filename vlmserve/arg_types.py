@@ -93,15 +93,21 @@ def limit_mm_per_prompt(text: str) -> dict[str, int]:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object `text` holds; None where it holds no object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def speculative_config(text: str) -> dict[str, object]:
     """vLLM's --speculative-config: a JSON object, checked as the engine will read it."""
     from vlmserve.engine.speculative import SpeculativeConfig
 
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
+    value = _json_object(text)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f'expected a JSON object like \'{{"method": "ngram", "num_speculative_tokens": 4}}\', got {text!r}'
         )
@@ -134,11 +140,8 @@ def lora_module(text: str) -> LoRAModulePath:
         name, _, path = text.partition("=")
         module = LoRAModulePath(name.strip(), path.strip())
     else:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = None
-        if not isinstance(value, dict):
+        value = _json_object(text)
+        if value is None:
             raise argparse.ArgumentTypeError(
                 f'expected NAME=PATH or a JSON object like \'{{"name": "sql", "path": "/adapters/sql"}}\', got {text!r}'
             )

@@ -27,18 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from vlmserve.bench.speculative import PROMPTS  # the same short prompts: decode dominates
 from vlmserve.model_files import safetensors_files
-
-PROMPTS = [
-    "Tell me a story about a lighthouse.",
-    "List the primes below fifty.",
-    "What is the capital of France?",
-    "Describe the sea in a few words.",
-    "Write a haiku about autumn leaves.",
-    "Explain how a bicycle works.",
-    "Name three colours of the rainbow.",
-    "Why is the sky blue?",
-]
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # A language-model projection's weight in the checkpoint, under either layout: transformers 4's
