@@ -37,8 +37,8 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass
 class ModuleDelta:
-    """One layer's low-rank update on this rank: h = x @ a.T (summed over the ranks where
-    `reduce`), then for each part (out_offset, out_size, rank_start, rank_end) with its b
+    """One layer's low-rank update on this rank: h = x @ a.T (summed over the ranks for a
+    row-parallel layer: its slots know), then for each part (out_offset, out_size, rank_start, rank_end) with its b
     [out_size, rank_end - rank_start] (scaling folded in): out[:, out_offset : out_offset +
     out_size] += h[:, rank_start:rank_end] @ b.T. A fused layer has one part per checkpoint module
     the adapter targets in it (q, k, v; gate, up)."""
@@ -46,7 +46,6 @@ class ModuleDelta:
     a: torch.Tensor
     parts: list[tuple[int, int, int, int]]
     b: list[torch.Tensor]
-    reduce: bool
 
     @property
     def nbytes(self) -> int:
@@ -148,7 +147,7 @@ def read_adapter(
     alpha_pattern: dict[str, float] = config.get("alpha_pattern") or {}  # type: ignore[assignment]
     modules = dict(model.named_modules())
     vision_names = {id(m) for m in vision.modules()} if vision is not None else set()
-    pieces: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, bool]]] = {}
+    pieces: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     touches_vision = False
     largest = 0
     for module_name in sorted(pairs):
@@ -197,14 +196,14 @@ def read_adapter(
                 f"the merger's linear layers); is the adapter for another model?"
             )
         spec = weight_spec(layer)
-        offset, size, a_local, b_local, reduce = _local_slices(layer, spec, shard, a, b, table, target)
+        offset, size, a_local, b_local = _local_slices(layer, spec, shard, a, b, table, target)
         if a.shape[1] != _full_in(layer, spec) or b.shape[0] != _full_out(spec, shard, layer, size):
             raise LoRAError(
                 f"{where}: module {module_name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not fit the "
                 f"model's layer of {_full_in(layer, spec)} inputs and {_full_out(spec, shard, layer, size)} outputs; "
                 "is the adapter for another model?"
             )
-        pieces.setdefault(target, []).append((offset, size, a_local, b_local * scaling, reduce))
+        pieces.setdefault(target, []).append((offset, size, a_local, b_local * scaling))
         touches_vision = touches_vision or id(layer) in vision_names
         largest = max(largest, rank)
     deltas = {name: _stack(parts, dtype, device) for name, parts in pieces.items()}
@@ -256,35 +255,34 @@ def _local_slices(
     b: torch.Tensor,
     table: WeightTable,
     target: str,
-) -> tuple[int, int, torch.Tensor, torch.Tensor, bool]:
-    """(this rank's output offset and size in the layer, its A, its B, whether x @ A.T is summed
-    over the ranks)."""
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(this rank's output offset and size in the layer, its A, its B)."""
     if spec is not None and spec.dim == 0:
         if b.shape[0] != spec.full_size(shard):
-            return 0, b.shape[0], a, b, False  # reported by the caller's shape check
+            return 0, b.shape[0], a, b  # reported by the caller's shape check
         offset, size, b_local = spec.narrow(b, shard, 0)
-        return offset, size, a, b_local, False
+        return offset, size, a, b_local
     if spec is not None and spec.dim == 1:
         if a.shape[1] != spec.full_size(None):
-            return 0, b.shape[0], a, b, True
+            return 0, b.shape[0], a, b
         _, _, a_local = spec.narrow(a, None, 1)
-        return 0, int(layer.out_features), a_local, b, True  # type: ignore[arg-type]
+        return 0, int(layer.out_features), a_local, b  # type: ignore[arg-type]
     if shard is not None:
         assert table.shards is not None, f"{target}: a fused layer without offsets"
         offset, size = table.shards(f"{target}.weight", shard)
-        return offset, size, a, b, False
-    return 0, int(layer.out_features), a, b, False  # type: ignore[arg-type]
+        return offset, size, a, b
+    return 0, int(layer.out_features), a, b  # type: ignore[arg-type]
 
 
 def _stack(
-    parts: list[tuple[int, int, torch.Tensor, torch.Tensor, bool]], dtype: torch.dtype, device: torch.device
+    parts: list[tuple[int, int, torch.Tensor, torch.Tensor]], dtype: torch.dtype, device: torch.device
 ) -> ModuleDelta:
     """A layer's parts as one A (their ranks stacked: one product for x @ A.T) and a B per part."""
     parts = sorted(parts, key=lambda p: p[0])
     spans, start = [], 0
-    for offset, size, a, _, _ in parts:
+    for offset, size, a, _ in parts:
         spans.append((offset, size, start, start + a.shape[0]))
         start += a.shape[0]
-    a_all = torch.cat([a for _, _, a, _, _ in parts]).to(device=device, dtype=dtype).contiguous()
-    b_all = [b.to(device=device, dtype=dtype).contiguous() for _, _, _, b, _ in parts]
-    return ModuleDelta(a_all, spans, b_all, reduce=parts[0][4])
+    a_all = torch.cat([a for _, _, a, _ in parts]).to(device=device, dtype=dtype).contiguous()
+    b_all = [b.to(device=device, dtype=dtype).contiguous() for _, _, _, b in parts]
+    return ModuleDelta(a_all, spans, b_all)

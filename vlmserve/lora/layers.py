@@ -70,19 +70,21 @@ class LoRARows:
     key: whatever the count (every row one adapter); None as a value: no row of that count has
     an adapter."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.by_count: dict[int | None, StepRows | None] = {}
+        # The decoders that may run whole decode steps in one kernel call (models/fused_decode.py),
+        # found once: they do not call their layers, so a step with adapters sets them aside.
+        self.decoders = [m for m in model.modules() if hasattr(m, "fused_decode")]
 
     @contextlib.contextmanager
-    def use(self, model: nn.Module, by_count: dict[int | None, StepRows | None]) -> Iterator[None]:
-        """Run the model's forward with these rows. A decoder that runs whole decode steps in one
-        kernel call (models/fused_decode.py) does not call its layers, so it is set aside
-        meanwhile (the layer-by-layer path gives the same results)."""
+    def use(self, by_count: dict[int | None, StepRows | None]) -> Iterator[None]:
+        """Run the model's forward with these rows, its fused decode steps set aside meanwhile (the
+        layer-by-layer path gives the same results)."""
         if not any(by_count.values()):
             yield
             return
         fused: list[tuple[nn.Module, Any]] = [
-            (m, m.fused_decode) for m in model.modules() if getattr(m, "fused_decode", None) is not None
+            (m, m.fused_decode) for m in self.decoders if getattr(m, "fused_decode", None) is not None
         ]
         for module, _ in fused:
             module.fused_decode = None  # type: ignore[assignment]

@@ -47,7 +47,7 @@ class LoRAManager:
         self.device = device
         self.dtype = dtype
         self.adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()
-        self.rows = LoRARows()
+        self.rows = LoRARows(model)
         # The hooked layers by name, and which adapter each slot holds (and when it last ran).
         self.layers: dict[str, LoRALayer] = {}
         self.slots: list[LoadedAdapter | None] = [None] * max_loras
@@ -206,7 +206,7 @@ class LoRAManager:
         if output_rows is not None:
             kept = [per_row[i] for i in output_rows]
             by_count[len(output_rows)] = step_rows(kept, self.max_loras, self.device)
-        with self.rows.use(self.model, by_count):
+        with self.rows.use(by_count):
             yield
 
     @contextlib.contextmanager
@@ -217,5 +217,5 @@ class LoRAManager:
             return
         slot = self._slots_of([lora])[lora]
         rows = step_rows([slot], self.max_loras, self.device)
-        with self.rows.use(self.model, {None: rows}):
+        with self.rows.use({None: rows}):
             yield

@@ -149,7 +149,7 @@ def write_tokenizer_files(out_dir: Path, added_tokens: list[tuple[int, str, bool
 @cache
 def _tokenizer_files(added_tokens: tuple[tuple[int, str, bool], ...]) -> dict[str, str]:
     """The three files' text, made once a process for each list of added tokens (~1.3 s: every
-    tiny checkpoint a test session writes needs them)."""
+    tiny checkpoint written in one process needs them)."""
     ranks = load_tiktoken_ranks(qwen_tiktoken_path())
     tokenizer_json = build_tokenizer_json(ranks, list(added_tokens))
     model = tokenizer_json["model"]
