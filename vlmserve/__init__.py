@@ -9,11 +9,20 @@ if TYPE_CHECKING:
     from vlmserve.api.beam_search import BeamSearchParams
     from vlmserve.entrypoints.llm import LLM
     from vlmserve.outputs import CompletionOutput, RequestOutput
+    from vlmserve.pooling import PoolingParams
     from vlmserve.sampling_params import SamplingParams
 
 from vlmserve.version import __version__
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 # Imported on first use, so that `vlmserve --help` and the command line's checks of its
 # arguments do not wait for torch.
@@ -23,6 +32,7 @@ _LAZY = {
     "CompletionOutput": "vlmserve.outputs",
     "RequestOutput": "vlmserve.outputs",
     "SamplingParams": "vlmserve.sampling_params",
+    "PoolingParams": "vlmserve.pooling",
 }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from vlmserve.multimodal.inputs import MultiModalItem
 
@@ -67,3 +69,54 @@ class RequestOutput:
     # vLLM's prompt logprobs, when asked for: None for the first prompt token, then per token a
     # {token id: Logprob} holding the prompt's token and the most likely ones at its position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+# -- pooling models (vLLM's PoolingRequestOutput and its embedding and scoring views) -------------
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # float32: an embedding, or a reranker's one score
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

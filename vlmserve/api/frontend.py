@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.config import ModelConfig
-from vlmserve.engine.checkpoint import EngineModel, open_checkpoint
+from vlmserve.engine.checkpoint import EngineModel, open_checkpoint, resolve_pooler
 from vlmserve.engine.config import EngineConfig
 from vlmserve.family import ModelFamily
 from vlmserve.model_files import read_json
+from vlmserve.pooling import PoolerConfig
 from vlmserve.processor.base import Processor, RenderedChat
 from vlmserve.processor.continuation import cut_at_mark, mark_final_message
 from vlmserve.processor.roles import check_custom_roles_rendered
@@ -34,6 +35,8 @@ class Frontend:
     sampling_defaults: dict[str, Any]
     # The most logprobs a request may ask for (vLLM's --max-logprobs; -1: the vocabulary's size).
     max_logprobs: int = 20
+    # A pooling model's pooler (runner "pooling": embeddings or scores); None: it generates.
+    pooler: PoolerConfig | None = None
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the sampling defaults applied (as vLLM's
@@ -102,7 +105,13 @@ class Frontend:
     def engine_model(self) -> EngineModel:
         """What the engine core needs of this checkpoint (its processor serves as processing info)."""
         return EngineModel(
-            self.model_dir, self.model_config, self.family, self.processor, self.max_model_len, self.eos_token_ids
+            self.model_dir,
+            self.model_config,
+            self.family,
+            self.processor,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.pooler,
         )
 
 
@@ -174,4 +183,5 @@ def load_frontend(config: EngineConfig, model_dir: Path | None = None) -> Fronte
         ctx.limits.max_model_len,
         defaults,
         config.max_logprobs,
+        resolve_pooler(config, model_dir, model_config),
     )

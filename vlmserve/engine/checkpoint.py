@@ -5,6 +5,7 @@ pixels, and the eos ids once at start)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from vlmserve.config import ModelConfig
 from vlmserve.engine.config import EngineConfig
 from vlmserve.family import ModelFamily, ProcessorContext
 from vlmserve.model_files import resolve_model_dir
+from vlmserve.pooling import PoolerConfig, read_pooler_config
 from vlmserve.processor.base import ProcessingInfo, ProcessorLimits
 from vlmserve.registry import family_of, load_model_config
 
@@ -25,6 +27,8 @@ class EngineModel:
     processing: ProcessingInfo
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # The pooling runner's pooler; None: the generation runner.
+    pooler: PoolerConfig | None = None
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -52,6 +56,25 @@ def open_checkpoint(
     return model_dir, model_config, family_of(model_config), ctx
 
 
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def resolve_pooler(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> PoolerConfig | None:
+    """The pooler the engine runs with (None: it generates). runner "auto" pools a checkpoint
+    that is an embedding model by its sentence-transformers files (modules.json) or that
+    hf_overrides asks to score (classifier_from_token); vLLM's --runner pooling pools any."""
+    if config.runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)}, got {config.runner!r}")
+    overrides = config.hf_overrides
+    if config.runner == "generate":
+        return None
+    declared = (model_dir / "modules.json").is_file() or "classifier_from_token" in overrides
+    if config.runner == "auto" and not declared:
+        return None
+    config_json = json.loads((model_dir / "config.json").read_text())
+    return read_pooler_config(model_dir, config_json, model_config.text.hidden_size, overrides)
+
+
 def load_engine_model(config: EngineConfig, eos_token_ids: Iterable[int], model_dir: Path | None = None) -> EngineModel:
     model_dir, model_config, family, ctx = open_checkpoint(config, model_dir)
     return EngineModel(
@@ -61,4 +84,5 @@ def load_engine_model(config: EngineConfig, eos_token_ids: Iterable[int], model_
         family.make_processing_info(ctx),
         ctx.limits.max_model_len,
         frozenset(eos_token_ids),
+        resolve_pooler(config, model_dir, model_config),
     )

@@ -73,6 +73,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --runner: "generate" (sample tokens), "pooling" (prompts only, each returning a vector:
+    # embeddings or reranker scores, vlmserve/pooling.py) or "auto" (pooling for a checkpoint that
+    # is an embedding model by its sentence-transformers files, or asked to score by hf_overrides).
+    runner: str = "auto"
+    # vLLM's --hf-overrides: keys over config.json; read here for pooling (classifier_from_token,
+    # is_matryoshka, matryoshka_dimensions; "architectures" naming a ...ForSequenceClassification).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     # "auto" (triton on CUDA where installed, else torch), "torch" or "triton" (attention/__init__.py).
     attention_backend: str = "auto"
     # vLLM's name: no CUDA graphs (engine/cuda_graphs.py), every step eager.

@@ -24,6 +24,7 @@ from vlmserve.ipc.worker_messages import RankInfo
 from vlmserve.lora.request import AdapterInfo, LoRAError, LoRARequest
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.pooling import PoolerConfig, PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -282,8 +283,10 @@ class EngineCore:
         params: SamplingParams,
         owner: str = "",
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """One sample (n == 1); the front end fans out n > 1. `owner`: whom the scheduler shares
+        """One sample (n == 1); the front end fans out n > 1. pooling_params: a pooling request
+        (a pooling runner's only kind): its output is its prompt's pooled vector. `owner`: whom the scheduler shares
         the engine among (see vlmserve.engine.scheduler). ValueError: an id in use, or a request
         that can never fit; LoRAError: an adapter that cannot be served (loaded here on first
         use). One with a grammar not compiled yet is queued once it is (a spec that does not
@@ -292,12 +295,15 @@ class EngineCore:
             logger.debug("request %s: prompt token ids %s", request_id, list(prompt.prompt_token_ids))
         if request_id in self.structured_outputs.waiting:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_runner(self.model_info.pooler, pooling_params)
         lora = None
         if lora_request is not None:
             self.add_lora(lora_request)
             held, info, key = self.loras[lora_request.lora_name]
             lora = (held, key, info.vision)
-        request = Request(request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner, lora)
+        request = Request(
+            request_id, prompt, params, self.model_info.eos_token_ids, self.max_model_len, owner, lora, pooling_params
+        )
         if self.speculative is not None:
             request.backoff = DraftBackoff(self.speculative.num_speculative_tokens)
         if params.structured_outputs is None:
@@ -447,3 +453,21 @@ class EngineCore:
         since the last call (they are gone)."""
         failed, self.failed = self.failed, {}
         return failed
+
+
+def check_runner(pooler: PoolerConfig | None, pooling_params: PoolingParams | None) -> None:
+    """ValueError for a request of the other runner's kind (vLLM's refusals), or pooling
+    parameters this model cannot serve."""
+    if pooler is None:
+        if pooling_params is not None:
+            raise ValueError(
+                "this model generates text; pooling (embeddings, scores) needs a pooling model "
+                "started with runner='pooling' (--runner pooling)"
+            )
+        return
+    if pooling_params is None:
+        raise ValueError(
+            f"this model is a pooling model (task {pooler.task!r}) and does not generate text; "
+            "start a generation model for that, or ask it for embeddings or scores"
+        )
+    pooling_params.verify(pooler)

@@ -25,6 +25,7 @@ from vlmserve.attention.state import SequenceState
 from vlmserve.distributed.control import share_sampled
 from vlmserve.engine.cuda_graphs import Capture, DecodeGraphs
 from vlmserve.engine.draft_head import propose as draft_head_propose
+from vlmserve.engine.pooler import Pooler
 from vlmserve.engine.profile_step import profile_worst_step
 from vlmserve.engine.prompt_logprobs import finished_buffer
 from vlmserve.engine.request_state import CachedRequestState
@@ -65,6 +66,8 @@ class ModelRunner:
         self._saved_states: tuple[list[int], list[list[torch.Tensor]]] | None = None
         # LoRA adapters (the engine's enable_lora): the adapters held and each step's rows of each.
         self.lora: LoRAManager | None = None
+        # The pooling runner's (runner="pooling"): what a pooling request's last hidden state becomes.
+        self.pooler: Pooler | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -218,10 +221,13 @@ class ModelRunner:
         are accepted while each equals the sample before it, and the first sample that differs
         (or the one after the last draft) is its next token (engine/speculative.py)."""
         batch.prompt_rows.compute(hidden, batch.hidden_rows(batch.prompt_rows.rows), self.model.compute_logits)
+        out = ModelRunnerOutput()
+        if any(state.pooling_params is not None for state in batch.sampled):
+            batch = self._pool(batch, hidden, out)
         sampled = batch.sampled
         if not sampled:
             self._saved_states = None
-            return ModelRunnerOutput()
+            return out
         logits = self.model.compute_logits(hidden[batch.hidden_rows(batch.sample_rows)])
         pairs = zip(sampled, batch.drafts, strict=True)
         rows = [(state, drafts[:j]) for state, drafts in pairs for j in range(len(drafts) + 1)]
@@ -233,7 +239,6 @@ class ModelRunner:
         tokens = share_sampled([state.request_id for state, _ in rows], tokens)
         counts = [state.params.logprobs for state, _ in rows]
         info = token_logprobs(logits, tokens, counts) if any(c is not None for c in counts) else None
-        out = ModelRunnerOutput()
         rejected: list[CachedRequestState] = []
         row = 0
         for state, drafts, kept in zip(sampled, batch.drafts, verify_drafts(tokens, batch.drafts), strict=True):
@@ -250,6 +255,36 @@ class ModelRunner:
             row += len(drafts) + 1
         self._restore_states(rejected, batch, out)
         return out
+
+    def _pool(self, batch: StepBatch, hidden: torch.Tensor, out: ModelRunnerOutput) -> StepBatch:
+        """The pooling requests whose prompt the step finished: their last row pooled into
+        out.pooled. -> the batch with only the requests to sample (a pooling request verifies no
+        drafts: one row each)."""
+        assert self.pooler is not None, "a pooling request on a runner without a pooler"
+        pooled, rows, keep = [], [], []
+        row = 0
+        for i, (state, drafts) in enumerate(zip(batch.sampled, batch.drafts, strict=True)):
+            if state.pooling_params is not None:
+                pooled.append(state)
+                rows.append(batch.sample_rows[row])
+            else:
+                keep.append(i)
+            row += len(drafts) + 1
+        vectors = self.pooler(hidden[batch.hidden_rows(rows)], [s.pooling_params for s in pooled])  # type: ignore[misc]
+        for state, vector in zip(pooled, vectors, strict=True):
+            out.pooled[state.request_id] = vector
+        starts = [sum(len(d) + 1 for d in batch.drafts[:i]) for i in keep]
+        sample_rows = [
+            batch.sample_rows[start + j]
+            for start, i in zip(starts, keep, strict=True)
+            for j in range(len(batch.drafts[i]) + 1)
+        ]
+        return replace(
+            batch,
+            sampled=[batch.sampled[i] for i in keep],
+            sample_rows=sample_rows,
+            drafts=[batch.drafts[i] for i in keep],
+        )
 
     def _save_states(self, batch: StepBatch) -> None:
         """Before the forward: the per-request state (conv windows, recurrent states) of the

@@ -12,6 +12,7 @@ from vlmserve.engine.speculative import DraftBackoff, NgramIndex
 from vlmserve.ipc.contracts import EngineCoreEvent, EngineCoreEventType
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem, ProcessedPrompt
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -38,9 +39,11 @@ class Request:
         max_model_len: int,
         owner: str = "",
         lora: tuple[LoRARequest, str, bool] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """lora: the adapter it runs with, the key its cached KV and encoder outputs are stored
-        under, and whether the adapter changes image embeddings."""
+        under, and whether the adapter changes image embeddings. pooling_params: a pooling
+        request, which ends with its prompt (its pooled vector its only output)."""
         assert params.n == 1, "the engine runs one sample per request; n > 1 is fanned out above it"
         self.request_id = request_id
         # Whom the scheduler shares the engine among: the server's HTTP request this sequence serves
@@ -62,6 +65,7 @@ class Request:
                     replace(item, content_hash=f"{item.content_hash}|lora:{key}") for item in self.mm_items
                 ]
         self.params = params
+        self.pooling_params = pooling_params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         # What min_tokens masks in the sampler: eos (even with ignore_eos, as vLLM) and stop ids.

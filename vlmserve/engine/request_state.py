@@ -14,6 +14,7 @@ from vlmserve.engine.prompt_logprobs import new_buffer
 from vlmserve.ipc.contracts import CachedRequestData, NewRequestData, TokenLogprobs
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 # (start, end, mrope_delta, num_prompt_tokens) -> [3, end - start] positions
@@ -41,6 +42,7 @@ class CachedRequestState:
     # not asked for).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    pooling_params: PoolingParams | None = None  # a pooling request (pooled, never sampled)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -59,6 +61,7 @@ class CachedRequestState:
             all_stop_token_ids=list(new.all_stop_token_ids),
             group_slots=list(new.group_slots),
             lora_request=new.lora_request,
+            pooling_params=new.pooling_params,
             prompt_logprobs=None
             if new.sampling_params.prompt_logprobs is None
             else new_buffer(len(new.prompt_token_ids)),

@@ -374,6 +374,7 @@ class Scheduler:
                     all_stop_token_ids=sorted(request.all_stop_token_ids),
                     group_slots=self.kv.group_slots(request_id),
                     lora_request=request.lora_request,
+                    pooling_params=request.pooling_params,
                 )
             )
             request.sent_to_runner = True
@@ -450,6 +451,14 @@ class Scheduler:
         request.num_computed_tokens += kept
         self.kv.step_succeeded(request, request.num_computed_tokens)
         self._release_encoder_outputs(request, upto=request.num_computed_tokens)
+        pooled = result.pooled.get(request_id)
+        if pooled is not None:  # a pooling request's prompt is done: its vector is its output
+            request.status = RequestStatus.FINISHED_STOPPED
+            self.running.remove(request)
+            self._release(request)
+            output = EngineCoreOutput(request_id, [], "stop", None, request.num_cached_tokens, pooled=pooled)
+            output.events = request.take_events()
+            return output
         if tokens is None:
             return None  # a prompt chunk that did not reach the end of the prompt
         if drafts and request.backoff is not None:

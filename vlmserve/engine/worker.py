@@ -29,10 +29,11 @@ import torch
 from vlmserve.attention import AttentionBackend, select_backend
 from vlmserve.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_group
 from vlmserve.distributed.control import MESSAGE, GroupFailed, broadcast_bytes
-from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len
+from vlmserve.engine.checkpoint import open_checkpoint, resolve_max_model_len, resolve_pooler
 from vlmserve.engine.config import EngineConfig, resolve_dtype
 from vlmserve.engine.memory import default_budget
 from vlmserve.engine.model_runner import ModelRunner
+from vlmserve.engine.pooler import Pooler, score_token_ids
 from vlmserve.engine.step_isolation import execute_or_isolate
 from vlmserve.ipc import serial
 from vlmserve.ipc.worker_messages import (
@@ -82,6 +83,7 @@ class Worker:
         self.device = device
         self.local_world_size = local_world_size
         _, model_config, family, _ = open_checkpoint(config, model_dir)
+        pooler = resolve_pooler(config, model_dir, model_config)
         self.dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, device)
         max_model_len = resolve_max_model_len(config, model_config)
         # The batched-decode workspace bounds a step's transient memory; the plan measures it.
@@ -97,8 +99,16 @@ class Worker:
             self.dtype,
             config.quantization,
             draft_head=draft_head,
+            # An embedding model reads no lm_head (its checkpoint may have none); a reranker its
+            # two rows, kept by the pooler.
+            lm_head=pooler is None or pooler.needs_lm_head,
         )
         self.runner = ModelRunner(self.model, device, self.dtype)
+        if pooler is not None:
+            tokens = None
+            if pooler.score_tokens is not None:
+                tokens = score_token_ids(model_dir, family.load_tokenizer, pooler.score_tokens)
+            self.runner.pooler = Pooler(pooler, self.model, tokens)
         if config.enable_lora:
             self.runner.lora = LoRAManager(
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, device, self.dtype

@@ -25,7 +25,14 @@ from vlmserve.multimodal.image import ImageSizing
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.multimodal.video import OPTION_KEYS, VideoOptions
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from vlmserve.pooling import PoolingParams
 from vlmserve.processor.base import DEFAULT_LIMIT_MM_PER_PROMPT, ImageInput, VideoInput
 from vlmserve.processor.chat import SIZING_KEYS
 from vlmserve.processor.truncation import truncate_ids, truncate_prompt, truncation_size
@@ -81,6 +88,8 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        runner: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ) -> None:
         """state_save_interval, saved_state_slots: where a model with recurrent state (Qwen3.5)
         saves it for prefix caching besides message ends and the prompt's last full block (every so
@@ -98,7 +107,11 @@ class LLM:
         enable_lora, max_loras, max_lora_rank, max_cpu_loras: LoRA adapters in PEFT's format, as
         vLLM's (generate and chat take lora_request=LoRARequest(name, id, path)): up to max_loras
         of them in one step, each of rank up to max_lora_rank, max_cpu_loras kept loaded (None:
-        max_loras)."""
+        max_loras).
+        runner, hf_overrides: vLLM's. runner "pooling" serves embed / encode / score instead of
+        generate ("auto": so for an embedding checkpoint by its sentence-transformers files, or
+        a reranker named by hf_overrides={"classifier_from_token": ["no", "yes"]}, the Qwen3
+        rerankers' form); docs/pooling.md."""
         configure_default_logging()
         if model is None:
             from vlmserve.tools.tiny_checkpoint import default_checkpoint_dir
@@ -138,6 +151,8 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            runner=runner,
+            hf_overrides=dict(hf_overrides or {}),
             media_limits=MediaLimits(
                 allowed_local_media_path=Path(allowed_local_media_path) if allowed_local_media_path else None
             ),
@@ -368,6 +383,90 @@ class LLM:
         images = [ImageInput(i.source, i.sizing, where + i.label) for i in chat.images]
         videos = [VideoInput(v.source, v.options, where + v.label) for v in chat.videos]
         return self.llm_engine.processor.process(chat.prompt, images, videos)
+
+    # -- pooling models ---------------------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: object,
+        pooling_params: PoolingParams | None = None,
+        *,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's vector for each input (vLLM's LLM.encode): embed's inputs, the
+        tensors as the pooler made them (float32)."""
+        from vlmserve.entrypoints import llm_pooling as pooling
+
+        pooling.pooler_of(self)
+        items = pooling.embedding_inputs(prompts)
+        loras = _loras_for(lora_request, len(items))
+        processed = [
+            pooling.process_embedding_input(self, item, f"prompts[{i}]", instruction, truncate_prompt_tokens)
+            for i, item in enumerate(items)
+        ]
+        return pooling.run_pooling(self, processed, pooling_params or PoolingParams(), loras)
+
+    def embed(
+        self,
+        prompts: object,
+        pooling_params: PoolingParams | None = None,
+        *,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings (vLLM's LLM.embed). An input is a string or vLLM's prompt dict, embedded as
+        it is; or the official scripts' object {"text": ..., "image": ..., "video": ...,
+        "instruction": ...} or a conversation (a list of messages), rendered with the chat template
+        and its generation prompt (the object as Qwen3-VL-Embedding's script builds it: the
+        instruction, default "Represent the user's input.", in a system message). instruction: the
+        objects' default. pooling_params: dimensions (Matryoshka), normalize."""
+        params = pooling_params or PoolingParams(task="embed")
+        outputs = self.encode(
+            prompts,
+            params,
+            instruction=instruction,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            lora_request=lora_request,
+        )
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: object,
+        data_2: object,
+        *,
+        instruction: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one query against each document (data_1 one, data_2 a list), or the
+        lists pairwise. A reranker (Qwen3-VL-Reranker: hf_overrides={"classifier_from_token": ["no",
+        "yes"]}) scores each pair in its yes/no conversation (instruction: its task, default "Given
+        a search query, retrieve relevant candidates that answer the query."); an embedding model
+        gives the cosine similarity of the two embeddings (each input as embed takes it). A query
+        or document is a string, the official object, or a list of content parts (vLLM's
+        {"content": [...]} too), images and videos as chat() takes them."""
+        from vlmserve.entrypoints import llm_pooling as pooling
+
+        pooler = pooling.pooler_of(self)
+        pairs = pooling.score_pairs(data_1, data_2)
+        if pooler.task == "score":
+            processed = [pooling.process_score_pair(self, a, b, (wa, wb), instruction) for (wa, a), (wb, b) in pairs]
+            outputs = pooling.run_pooling(self, processed, PoolingParams(task="score"), [lora_request] * len(processed))
+            return [
+                ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                for o in outputs
+            ]
+        sides = [pair[0] for pair in pairs] + [pair[1] for pair in pairs]
+        processed = [
+            pooling.process_embedding_input(self, item, where, instruction, truncate_prompt_tokens)
+            for where, item in sides
+        ]
+        embeddings = pooling.run_pooling(self, processed, PoolingParams(task="embed"), [lora_request] * len(processed))
+        return pooling.cosine_scores(embeddings, len(pairs), processed)
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     group_slots: list[int] = msgspec.field(default_factory=list)
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # A pooling request: its prompt's last hidden state is pooled, nothing is sampled.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -108,6 +111,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Request id -> its prompt logprobs (prompt tokens 1.., each given the tokens before it),
     # sent once, with the request's first sampled token, where it asked for them.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    # Request id -> its pooled vector (float32), for the pooling requests whose prompt the step
+    # finished.
+    pooled: dict[str, torch.Tensor] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -140,3 +146,5 @@ class EngineCoreOutput(msgspec.Struct):
     # Speculative decoding: the drafts this step verified for it, and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A pooling request's vector (float32), with its only output.
+    pooled: torch.Tensor | None = None

@@ -73,11 +73,14 @@ def build_model(
     dtype: torch.dtype,
     quantization: str | None = None,
     draft_head: bool = False,
+    lm_head: bool = True,
 ) -> VLModel:
     """quantization: None (the checkpoint's own: float, or AWQ/GPTQ as published), "int8"
     (weight-only, made here from float weights), "awq" or "gptq" (must match the checkpoint).
     draft_head: build and load the model's speculative-decoding draft head too (Qwen3.5's
-    multi-token prediction; its layers cost KV cache, so it is left out unless asked for)."""
+    multi-token prediction; its layers cost KV cache, so it is left out unless asked for).
+    lm_head: False for a model whose logits nothing reads (a pooling model's embeddings): an
+    untied one is neither allocated nor loaded (Qwen3-VL-Embedding's checkpoint has none)."""
     packed = read_packed_config(model_dir / "config.json")
     method = resolve_quantization(quantization, packed)
     # Built on the meta device so no memory is spent on random initialisation, then allocated
@@ -86,6 +89,8 @@ def build_model(
         model = model_class(dataclasses.replace(config, draft_head=draft_head), backend)
         if draft_head and not model.has_draft_head:
             raise ValueError(f"{type(model).__name__} has no draft head (speculative decoding with method 'mtp')")
+        if not lm_head and getattr(model, "lm_head", None) is not None:
+            model.lm_head = None  # type: ignore[assignment]
     # AWQ/GPTQ: the Linear layers the int4 kernels take stay 4-bit (models/quant/int4.py); every
     # other module's packed tensors become its float weight on the way in.
     kept_packed = _keep_packed(model, model_dir, packed, device) if packed is not None else frozenset()
