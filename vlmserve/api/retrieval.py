@@ -88,11 +88,16 @@ def content_parts(item: object, where: str, max_pixels: int) -> list[dict[str, A
     if unknown:
         raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: {list(OBJECT_KEYS)}")
     parts: list[dict[str, Any]] = []
-    if item.get("video") is not None:
+    video = item.get("video")
+    if video is not None:
         total = EMBEDDING_VIDEO_TOTAL_PIXELS if max_pixels == EMBEDDING_MAX_PIXELS else 4 * 2 * max_pixels
         fps = item.get("fps", VIDEO_FPS)
-        video = {"fps": fps, "max_frames": VIDEO_MAX_FRAMES, "min_pixels": MIN_PIXELS, "total_pixels": total}
-        parts.append({"type": "video", "video": item["video"], **video})
+        # A file is sampled at fps (at most VIDEO_MAX_FRAMES frames); a list of frames is used as
+        # given, fps saying how many of them make a second.
+        sampling = (
+            {"sample_fps": fps} if isinstance(video, (list, tuple)) else {"fps": fps, "max_frames": VIDEO_MAX_FRAMES}
+        )
+        parts.append({"type": "video", "video": video, **sampling, "min_pixels": MIN_PIXELS, "total_pixels": total})
     parts += [
         {"type": "image", "image": image, "min_pixels": MIN_PIXELS, "max_pixels": max_pixels}
         for image in _several(item.get("image"))

@@ -10,7 +10,7 @@ from vlmserve.api.frontend import load_frontend
 from vlmserve.api.output_processor import OutputProcessor
 from vlmserve.engine.banner import engine_summary, log_banner
 from vlmserve.engine.config import EngineConfig
-from vlmserve.engine.core import EngineCore
+from vlmserve.engine.core import EngineCore, check_runner
 from vlmserve.engine.model_runner import ModelRunner
 from vlmserve.engine.request import RequestStatus
 from vlmserve.lora.request import LoRARequest
@@ -71,6 +71,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_runner(self.pooler, None)  # a pooling model generates nothing
         self.core.check_fits(prompt)  # before anything is registered
         if lora_request is not None:
             self.core.add_lora(lora_request)  # LoRAError before anything is registered
@@ -89,6 +90,7 @@ class LLMEngine:
         """A pooling model's request: its output (a PoolingRequestOutput) is its prompt's vector."""
         if request_id in self.output_processor.parents or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_runner(self.pooler, params)
         self.core.check_fits(prompt)
         self.core.add_request(
             request_id, prompt, SamplingParams(max_tokens=1), lora_request=lora_request, pooling_params=params
