@@ -18,7 +18,8 @@ from tests.conftest import random_image
 from tests.pooling.conftest import hf_image_processor, hf_model
 from vlmserve import LLM, PoolingParams
 
-pytestmark = pytest.mark.parity
+# The tests that compare with transformers run again against its newest release (.ci/run).
+parity = pytest.mark.parity
 
 IMAGE = random_image(64, 96, seed=1)
 OTHER_IMAGE = random_image(64, 96, seed=2)
@@ -63,6 +64,7 @@ def embeddings(outputs: list[Any]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("index", range(len(ITEMS)), ids=LABELS)
+@parity
 def test_an_embedding_is_transformers_pooled_normalised_hidden_state(
     embedding_llm: LLM, reference_embeddings: torch.Tensor, index: int
 ) -> None:
@@ -74,6 +76,7 @@ def test_an_embedding_is_transformers_pooled_normalised_hidden_state(
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-3)
 
 
+@parity
 def test_a_batch_equals_its_inputs_alone_and_the_inputs_differ(
     embedding_llm: LLM, reference_embeddings: torch.Tensor
 ) -> None:
@@ -86,6 +89,7 @@ def test_a_batch_equals_its_inputs_alone_and_the_inputs_differ(
     assert float((similarity - torch.eye(len(OBJECTS))).abs().max()) > 1e-3  # no two inputs alike
 
 
+@parity
 def test_the_messages_form_is_the_objects_conversation(embedding_llm: LLM, reference_embeddings: torch.Tensor) -> None:
     """A conversation written out (system instruction, user content, the image bounded as the
     official script bounds it) is rendered as the object's."""
@@ -95,6 +99,7 @@ def test_the_messages_form_is_the_objects_conversation(embedding_llm: LLM, refer
     assert float(F.cosine_similarity(ours, reference_embeddings[1], dim=0)) >= 0.99999
 
 
+@parity
 def test_an_instruction_is_the_official_one(embedding_llm: LLM, embedder: tuple[Any, Any, Any]) -> None:
     """ "Retrieve images" becomes "Retrieve images." in the system message, as the official script writes it."""
     expected = ref.embed(*embedder, [ref.Item(text="x")], instruction="Retrieve images")[0]
@@ -104,6 +109,7 @@ def test_an_instruction_is_the_official_one(embedding_llm: LLM, embedder: tuple[
     assert float(F.cosine_similarity(plain, expected, dim=0)) < 0.9999
 
 
+@parity
 def test_matryoshka_dimensions_truncate_then_normalise(embedding_llm: LLM, embedder: tuple[Any, Any, Any]) -> None:
     for dims in (8, 32):
         expected = ref.embed(*embedder, [REFERENCE_ITEMS[1]], dimensions=dims)[0]
@@ -117,6 +123,7 @@ def test_matryoshka_dimensions_truncate_then_normalise(embedding_llm: LLM, embed
             embedding_llm.embed(OBJECTS[1], PoolingParams(dimensions=bad))
 
 
+@parity
 def test_chunked_prefill_and_a_prefix_cache_hit_give_the_same_embedding(
     embedding_dir: Path, reference_embeddings: torch.Tensor
 ) -> None:
@@ -148,6 +155,7 @@ def reranker_llm(reranker_dir: Path) -> LLM:
     return small_llm(reranker_dir, hf_overrides=RERANKER)
 
 
+@parity
 def test_reranker_scores_are_transformers_yes_no_probability(reranker_llm: LLM, reranker_dir: Path) -> None:
     hf = (hf_model(reranker_dir), ref.load_tokenizer(reranker_dir), hf_image_processor(reranker_dir))
     expected = ref.rerank(*hf, ref.Item(text=QUERY), [doc for doc, _ in DOCUMENTS])
@@ -174,3 +182,29 @@ def test_a_reranker_embeds_nothing_and_a_generation_model_pools_nothing(reranker
     for call in (lambda: generator.embed("x"), lambda: generator.score("q", "d")):
         with pytest.raises(ValueError, match="need a pooling model, started with runner='pooling'"):
             call()
+
+
+def test_tensor_parallel_ranks_pool_what_one_process_pools(
+    embedding_llm: LLM, reranker_llm: LLM, reranker_dir: Path, embedding_dir: Path
+) -> None:
+    """tensor_parallel_size=2: the embeddings of one process, and a score whose two tokens' lm_head
+    rows live on different ranks ("no" on rank 0, "你好", id 108386, on rank 1: each rank adds the
+    row it holds) equal to one process's."""
+    overrides = {"classifier_from_token": ["no", "你好"]}
+    one = small_llm(reranker_dir, hf_overrides=overrides)
+    expected_scores = [o.outputs.score for o in one.score(QUERY, [doc for _, doc in DOCUMENTS[:2]])]
+    two = small_llm(reranker_dir, hf_overrides=overrides, tensor_parallel_size=2)
+    try:
+        scores = [o.outputs.score for o in two.score(QUERY, [doc for _, doc in DOCUMENTS[:2]])]
+    finally:
+        two.shutdown()
+    assert scores == pytest.approx(expected_scores, abs=1e-5)
+    yes_no = reranker_llm.score(QUERY, DOCUMENTS[0][1])[0].outputs.score
+    assert abs(yes_no - expected_scores[0]) > 1e-3  # the same model: the tokens chose the score
+    two_embed = small_llm(embedding_dir, tensor_parallel_size=2)
+    try:
+        torch.testing.assert_close(
+            embeddings(two_embed.embed(OBJECTS[:2])), embeddings(embedding_llm.embed(OBJECTS[:2])), atol=1e-5, rtol=1e-4
+        )
+    finally:
+        two_embed.shutdown()
