@@ -159,6 +159,23 @@ def _lora(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
+def _pooling(tmp: Path, server: Callable[[], Server]) -> Run:
+    # The pooling example on tiny checkpoints in the two published layouts (make-tiny's presets).
+    from vlmserve.registry import BY_NAME
+
+    _png(tmp / "examples" / "shapes.png")
+    embedding = BY_NAME["qwen3_vl"].write_tiny(tmp / "embedding", preset="embedding")
+    reranker = BY_NAME["qwen3_vl"].write_tiny(tmp / "reranker", preset="reranker")
+    subs = {'"Qwen/Qwen3-VL-Embedding-2B"': repr(str(embedding)), '"Qwen/Qwen3-VL-Reranker-2B"': repr(str(reranker))}
+
+    def check(stdout: str) -> None:
+        size, cosine, short, *scores = stdout.split()
+        assert (size, short) == ("64", "32") and -1.0 <= float(cosine) <= 1.0, stdout
+        assert len(scores) == 2 and all(0.0 < float(s) < 1.0 for s in scores) and scores[0] != scores[1], stdout
+
+    return Run(tmp, subs, check)
+
+
 # A python block is recognised by a line it holds; each must be exactly one of these.
 PYTHON_RUNS: dict[str, Callable[[Path, Callable[[], Server]], Run]] = {
     'llm = LLM("Qwen/Qwen2-VL-2B-Instruct")': _intro,
@@ -166,6 +183,7 @@ PYTHON_RUNS: dict[str, Callable[[Path, Callable[[], Server]], Run]] = {
     '"path/to/Qwen2-VL-2B-Instruct",': _options,
     'llm = LLM("Qwen/Qwen2.5-VL-3B-Instruct")': _grounding,
     'adapter = LoRARequest("captions", 1, "path/to/captions-adapter")': _lora,
+    'embedder = LLM("Qwen/Qwen3-VL-Embedding-2B")': _pooling,
 }
 
 

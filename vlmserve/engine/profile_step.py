@@ -12,10 +12,12 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.state import SequenceState
 from vlmserve.engine.logits_processors import TokenHistory
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
+from vlmserve.engine.pooler import Pooler
 from vlmserve.engine.sampler import Sampler
 from vlmserve.engine.step_batch import attention_metadata
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.pooling import PoolingParams
 from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams
 
@@ -39,6 +41,7 @@ class ProfiledRunner(Protocol):
     block_size: int
     attention_layers: list[PagedAttention]
     state_layers: list[SequenceState]
+    pooler: Pooler | None
 
     def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None: ...
 
@@ -121,6 +124,9 @@ def profile_worst_step(
 
 
 def _sample(runner: ProfiledRunner, hidden: torch.Tensor, rows: int, max_model_len: int) -> None:
+    if runner.pooler is not None:  # a pooling model's rows become vectors, no logits
+        runner.pooler(hidden, [PoolingParams()] * rows)
+        return
     logits = runner.model.compute_logits(hidden)  # as a step hands them to the sampler
     params = [PROFILED_SAMPLING[i % len(PROFILED_SAMPLING)] for i in range(rows)]
     # Half prompt, half output, at full length (one list shared: the sampler only reads it).

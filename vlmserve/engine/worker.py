@@ -90,6 +90,10 @@ class Worker:
         workspace = max_model_len
         self.backend = backend or select_backend(device, config.attention_backend, decode_workspace_tokens=workspace)
         draft_head = (config.speculative_config or {}).get("method") == "mtp"
+        poolers: list[Pooler] = []
+        tokens = None
+        if pooler is not None and pooler.score_tokens is not None:
+            tokens = score_token_ids(model_dir, family.load_tokenizer, pooler.score_tokens)
         self.model = build_model(
             family.model_class,
             model_config,
@@ -100,15 +104,12 @@ class Worker:
             config.quantization,
             draft_head=draft_head,
             # An embedding model reads no lm_head (its checkpoint may have none); a reranker its
-            # two rows, kept by the pooler.
+            # two rows, which its pooler takes as they were loaded (then drops the rest).
             lm_head=pooler is None or pooler.needs_lm_head,
+            on_loaded=None if pooler is None else lambda model: poolers.append(Pooler(pooler, model, tokens)),
         )
         self.runner = ModelRunner(self.model, device, self.dtype)
-        if pooler is not None:
-            tokens = None
-            if pooler.score_tokens is not None:
-                tokens = score_token_ids(model_dir, family.load_tokenizer, pooler.score_tokens)
-            self.runner.pooler = Pooler(pooler, self.model, tokens)
+        self.runner.pooler = poolers[0] if poolers else None
         if config.enable_lora:
             self.runner.lora = LoRAManager(
                 self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, device, self.dtype

@@ -74,13 +74,16 @@ def build_model(
     quantization: str | None = None,
     draft_head: bool = False,
     lm_head: bool = True,
+    on_loaded: Callable[[VLModel], None] | None = None,
 ) -> VLModel:
     """quantization: None (the checkpoint's own: float, or AWQ/GPTQ as published), "int8"
     (weight-only, made here from float weights), "awq" or "gptq" (must match the checkpoint).
     draft_head: build and load the model's speculative-decoding draft head too (Qwen3.5's
     multi-token prediction; its layers cost KV cache, so it is left out unless asked for).
     lm_head: False for a model whose logits nothing reads (a pooling model's embeddings): an
-    untied one is neither allocated nor loaded (Qwen3-VL-Embedding's checkpoint has none)."""
+    untied one is neither allocated nor loaded (Qwen3-VL-Embedding's checkpoint has none).
+    on_loaded: called with the model once its weights are loaded as the checkpoint has them, before
+    any is quantized or reordered (a reranker's pooler reads two lm_head rows there)."""
     packed = read_packed_config(model_dir / "config.json")
     method = resolve_quantization(quantization, packed)
     # Built on the meta device so no memory is spent on random initialisation, then allocated
@@ -101,6 +104,8 @@ def build_model(
     )
     with weights, _naming_checkpoint(model_dir):
         model.load_weights(weights if packed is None else dequantize_weights(weights, packed, kept_packed))
+    if on_loaded is not None:
+        on_loaded(model)
     if kept_packed:
         from vlmserve.kernels.int4 import load_int4_kernel
         from vlmserve.models.quant.int4 import finalize_int4
