@@ -12,10 +12,12 @@ from vlmserve.attention.layer import PagedAttention
 from vlmserve.attention.state import SequenceState
 from vlmserve.engine.logits_processors import TokenHistory
 from vlmserve.engine.memory import PeakMeter, one_block_per_stack
+from vlmserve.engine.pooler import Pooler
 from vlmserve.engine.sampler import Sampler
 from vlmserve.engine.step_batch import attention_metadata
 from vlmserve.models.base import VLModel
 from vlmserve.multimodal.inputs import MultiModalItem
+from vlmserve.pooling import PoolingParams
 from vlmserve.progress import progress
 from vlmserve.sampling_params import SamplingParams
 
@@ -36,6 +38,8 @@ class ProfiledRunner(Protocol):
     device: torch.device
     dtype: torch.dtype
     sampler: Sampler
+    # A pooling runner's: its rows are pooled, never sampled (an embedding model has no lm_head).
+    pooler: Pooler | None
     block_size: int
     attention_layers: list[PagedAttention]
     state_layers: list[SequenceState]
@@ -121,6 +125,9 @@ def profile_worst_step(
 
 
 def _sample(runner: ProfiledRunner, hidden: torch.Tensor, rows: int, max_model_len: int) -> None:
+    if runner.pooler is not None:  # as a pooling step hands its finished prompts' rows to the pooler
+        runner.pooler(hidden, [PoolingParams()] * rows)
+        return
     logits = runner.model.compute_logits(hidden)  # as a step hands them to the sampler
     params = [PROFILED_SAMPLING[i % len(PROFILED_SAMPLING)] for i in range(rows)]
     # Half prompt, half output, at full length (one list shared: the sampler only reads it).
