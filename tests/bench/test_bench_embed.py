@@ -61,10 +61,12 @@ def test_the_transformers_side_is_the_reference_embedding(embedding_checkpoint: 
 def test_benchmark_prints_both_rates_the_ratio_and_a_tight_agreement(
     embedding_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Steps of 64 tokens: the four prompts (over 30 tokens each) are split across steps (chunked prefill).
     args = ["--inputs", "4", "--image-size", "64", "--batch-sizes", "1,4,16", "--rounds", "1"]
-    assert main([str(embedding_checkpoint), "--dtype", "float32", *args]) == 0
+    assert main([str(embedding_checkpoint), "--dtype", "float32", "--max-num-batched-tokens", "64", *args]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^cpu: .+ threads$", out, re.MULTILINE)  # the CPU named
+    assert "4 inputs (a 64x64 image and a short text each), float32; vlmserve's steps of up to 64 tokens" in out
     rates = {
         name: float(rate)
         for name, rate in re.findall(r"^  (vlmserve|transformers batch \d+) +([\d.]+) embeddings/s", out, re.MULTILINE)

@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 4, 16, 64], help="transformers' batch sizes to run")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rounds", type=_positive, default=3)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=None,
+        help="vlmserve's token budget a step (default: the engine's)",
+    )
     args = p.parse_args(argv)
     sizes = sorted({size for size in args.batch_sizes if size <= args.inputs})
     if not sizes:
@@ -100,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_model_len=max_model_len_for(args.image_size),
         max_num_seqs=max(8, args.inputs),
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     core = llm.llm_engine.core
     hf = TransformersEmbedder(args.model, core.dtype, core.device)
 
-    # warm up: the kernels' first calls and the allocator, at each batch size transformers runs
+    # warm up: the kernels' first calls and the allocator, vlmserve on as many inputs as
+    # transformers' largest batch, transformers at each batch size it runs
     warm = embedding_inputs(max(sizes), args.image_size, seed=0)
-    llm.embed(warm[: min(4, len(warm))])
+    llm.embed(warm)
     for size in sizes:
         hf.embed(warm[:size])
 
@@ -132,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(core.dtype).removeprefix("torch.")
     print(describe_device(core.device))
     print(
-        f"{args.inputs} inputs (a {args.image_size}x{args.image_size} image and a short text each), {dtype}, "
-        f"{args.rounds} rounds, median embeddings/s:"
+        f"{args.inputs} inputs (a {args.image_size}x{args.image_size} image and a short text each), {dtype}; "
+        f"vlmserve's steps of up to {core.scheduler.config.max_num_batched_tokens} tokens"
     )
+    print(f"{args.rounds} rounds, median embeddings/s:")
     for name, rate in median.items():
         rounds = ", ".join(f"{r:.2f}" for r in rates[name])
         print(f"  {name:<22} {rate:10.2f} embeddings/s  (rounds: {rounds})")
