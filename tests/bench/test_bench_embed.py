@@ -94,3 +94,13 @@ def test_batch_sizes_above_the_inputs_are_refused_with_the_numbers(
         with pytest.raises(SystemExit) as exit_info:
             main([str(embedding_checkpoint), *bad])
         assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_family_is_refused_with_the_fix(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for model, says in ((tiny_dir, "a 'qwen2_vl' checkpoint"), (tmp_path, "has no config.json naming a model_type")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(model), "--inputs", "2", "--batch-sizes", "1"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and says in err and "--preset embedding-bench" in err

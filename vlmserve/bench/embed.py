@@ -17,6 +17,7 @@ an earlier round's images (encoder outputs, prefix blocks) serves the next one."
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+# The checkpoints bench/embed_hf.py runs (Qwen3-VL's 16-pixel patches, its prompt and token types).
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 SUBJECTS = [
     "a red bicycle leaning on a brick wall",
     "two cats asleep on a sofa",
@@ -64,6 +67,14 @@ def cosine_distances(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
     return 1.0 - torch.nn.functional.cosine_similarity(ours.double(), theirs.double(), dim=-1)
 
 
+def _model_type(model_dir: Path) -> str | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
 def _batch_sizes(text: str) -> list[int]:
     parts = [s.strip() for s in text.split(",") if s.strip()]
     if not parts or not all(s.isdigit() and int(s) > 0 for s in parts):
@@ -92,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         help="vlmserve's token budget a step (default: the engine's)",
     )
     args = p.parse_args(argv)
+    model_type = _model_type(args.model)
+    if model_type not in QWEN3_VL_TYPES:
+        what = f"is a {model_type!r} checkpoint" if model_type else "has no config.json naming a model_type"
+        p.error(
+            f"{args.model} {what}; the transformers side runs Qwen3-VL-Embedding "
+            f"(model_type {' or '.join(QWEN3_VL_TYPES)}): write one with vlmserve make-tiny --arch qwen3_vl "
+            "--preset embedding-bench"
+        )
     sizes = sorted({size for size in args.batch_sizes if size <= args.inputs})
     if not sizes:
         p.error(f"no batch size in {args.batch_sizes} is at most --inputs {args.inputs}")
@@ -129,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             name = f"transformers batch {size}"
             start = time.perf_counter()
+            # (each batch's vectors copied to the CPU: the clock waits for the device)
             theirs = torch.cat([hf.embed(inputs[i : i + size]) for i in range(0, len(inputs), size)])
-            if core.device.type == "cuda":
-                torch.cuda.synchronize(core.device)
             rates[name].append(len(inputs) / (time.perf_counter() - start))
             distances[name] = max(distances.get(name, 0.0), float(cosine_distances(ours, theirs).max()))
 
