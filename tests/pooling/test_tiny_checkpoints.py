@@ -72,3 +72,60 @@ def test_make_tiny_writes_the_reranker_preset(tmp_path: Path) -> None:
     result = vlmserve("make-tiny", str(tmp_path / "r"), "--arch", "qwen3_vl", "--preset", "reranker")
     assert result.returncode == 0, result.stderr
     assert "lm_head.weight" in set(weight_names(tmp_path / "r") or [])
+
+
+# Qwen3-VL-2B-Instruct's published sizes (its config.json), which Qwen3-VL-Embedding-2B keeps.
+QWEN3_VL_2B_TEXT = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+}
+QWEN3_VL_2B_VISION = {
+    "depth": 24,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_heads": 16,
+    "num_position_embeddings": 2304,
+    "out_hidden_size": 2048,
+    "deepstack_visual_indexes": [5, 11, 17],
+}
+
+
+@pytest.mark.parametrize("preset", ["embedding-2b", "embedding-bench"])
+def test_the_embedding_2b_presets_are_qwen3_vl_embedding_2b_in_the_embedding_layout(preset: str) -> None:
+    """embedding-2b: the whole architecture; embedding-bench: its widths, 4 decoder layers and a
+    narrow tower. Both in the embedding layout (use_cache false, no lm_head weight: the 2B ties it,
+    sentence-transformers' files for 2048-wide embeddings). The weights are not written here
+    (4.3 GB): the layout is the embedding preset's, checked above."""
+    from vlmserve.families.qwen3_vl.tiny import PRESETS, config_json
+    from vlmserve.families.qwen3_vl.tiny_retrieval import sentence_transformers_files
+
+    spec = PRESETS[("qwen3_vl", preset)]
+    config = config_json(spec)
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"] and config["use_cache"] is False
+    assert config["tie_word_embeddings"] is True
+    text, vision = config["text_config"], config["vision_config"]
+    assert isinstance(text, dict) and isinstance(vision, dict)
+    if preset == "embedding-2b":
+        assert {k: text[k] for k in QWEN3_VL_2B_TEXT} == QWEN3_VL_2B_TEXT
+        assert {k: vision[k] for k in QWEN3_VL_2B_VISION} == QWEN3_VL_2B_VISION
+    else:
+        assert {k: text[k] for k in QWEN3_VL_2B_TEXT} == QWEN3_VL_2B_TEXT | {"num_hidden_layers": 4}
+        assert vision["depth"] == 4 and vision["out_hidden_size"] == 2048
+    pooling = sentence_transformers_files(spec.hidden_size)["1_Pooling/config.json"]
+    assert isinstance(pooling, dict) and pooling["embedding_dimension"] == 2048
+
+
+def test_make_tiny_offers_the_embedding_2b_presets() -> None:
+    import argparse
+
+    from vlmserve.entrypoints.cli import _make_tiny_arguments
+
+    parser = argparse.ArgumentParser()
+    _make_tiny_arguments(parser)
+    for preset in ("embedding-2b", "embedding-bench"):
+        assert parser.parse_args(["out", "--arch", "qwen3_vl", "--preset", preset]).preset == preset

@@ -38,6 +38,8 @@ class ProfiledRunner(Protocol):
     device: torch.device
     dtype: torch.dtype
     sampler: Sampler
+    # A pooling runner's: its rows are pooled, never sampled (an embedding model has no lm_head).
+    pooler: Pooler | None
     block_size: int
     attention_layers: list[PagedAttention]
     state_layers: list[SequenceState]

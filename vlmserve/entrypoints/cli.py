@@ -279,13 +279,15 @@ def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=["tiny", "bench", "2b", "embedding", "reranker"],
+        choices=["tiny", "bench", "2b", "embedding", "reranker", "embedding-2b", "embedding-bench"],
         default="tiny",
         help="bench: the 2B's language-model width with 4 layers and a narrow vision tower (qwen2_vl, "
         "qwen3_vl, qwen3_5); 2b: the whole Qwen2-VL-2B or Qwen3-VL-2B architecture (qwen2_vl, qwen3_vl; about "
         "4.4 GB in bfloat16), Qwen3.5-2B's language model with a narrow vision tower (qwen3_5); embedding, "
         "reranker: the tiny Qwen3-VL in Qwen3-VL-Embedding's layout (no lm_head, sentence-transformers' files) "
-        "or Qwen3-VL-Reranker's (an untied lm_head) (qwen3_vl)",
+        "or Qwen3-VL-Reranker's (an untied lm_head) (qwen3_vl); embedding-2b: the whole Qwen3-VL-Embedding-2B "
+        "architecture in that layout (qwen3_vl; about 4.3 GB in bfloat16); embedding-bench: its widths with bench's "
+        "4 decoder layers and narrow tower (qwen3_vl)",
     )
     p.add_argument("--nested-config", action="store_true", help="transformers 5 config layout (text_config)")
     p.add_argument("--untied", action="store_true", help="separate lm_head weights")

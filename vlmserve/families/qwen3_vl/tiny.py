@@ -206,12 +206,20 @@ EMBEDDING_SPEC = TinySpec(tie_word_embeddings=False, task="embedding")
 # of "yes" and "no" make the score; untied, as Qwen3-VL-8B is, so that reading the embedding's
 # rows instead gives another score.
 RERANKER_SPEC = TinySpec(tie_word_embeddings=False, task="reranker")
+# Qwen3-VL-Embedding-2B: the whole Qwen3-VL-2B architecture (tied embeddings, as the 2B's) in
+# the embedding layout: no lm_head weight, use_cache false, sentence-transformers' files (2048-wide
+# embeddings). And its benchmark cut: the same widths with the bench preset's 4 decoder layers and
+# narrow tower, for a measurement that fits in minutes on a few CPU cores.
+EMBEDDING_2B_SPEC = replace(QWEN3_VL_2B_SPEC, task="embedding")
+EMBEDDING_BENCH_SPEC = replace(BENCH_SPEC, task="embedding")
 PRESETS = {
     ("qwen3_vl", "tiny"): TinySpec(),
     ("qwen3_vl", "bench"): BENCH_SPEC,
     ("qwen3_vl", "2b"): QWEN3_VL_2B_SPEC,
     ("qwen3_vl", "embedding"): EMBEDDING_SPEC,
     ("qwen3_vl", "reranker"): RERANKER_SPEC,
+    ("qwen3_vl", "embedding-2b"): EMBEDDING_2B_SPEC,
+    ("qwen3_vl", "embedding-bench"): EMBEDDING_BENCH_SPEC,
     ("qwen3_vl_moe", "tiny"): MOE_SPEC,
 }
 
