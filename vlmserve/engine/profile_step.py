@@ -43,7 +43,6 @@ class ProfiledRunner(Protocol):
     block_size: int
     attention_layers: list[PagedAttention]
     state_layers: list[SequenceState]
-    pooler: Pooler | None
 
     def bind_kv_cache(self, num_blocks: int, block_size: int, layers: list[PagedAttention] | None = None) -> None: ...
 
