@@ -13,7 +13,7 @@ from pathlib import Path
 from vlmserve.config import ModelConfig
 from vlmserve.engine.config import EngineConfig
 from vlmserve.family import ModelFamily, ProcessorContext
-from vlmserve.model_files import resolve_model_dir
+from vlmserve.model_files import resolve_model_dir, weight_names
 from vlmserve.pooling import PoolerConfig, read_pooler_config
 from vlmserve.processor.base import ProcessingInfo, ProcessorLimits
 from vlmserve.registry import family_of, load_model_config
@@ -61,18 +61,27 @@ RUNNERS = ("auto", "generate", "pooling")
 
 def resolve_pooler(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> PoolerConfig | None:
     """The pooler the engine runs with (None: it generates). runner "auto" pools a checkpoint
-    that is an embedding model by its sentence-transformers files (modules.json) or that
-    hf_overrides asks to score (classifier_from_token); vLLM's --runner pooling pools any."""
+    that is an embedding model by its sentence-transformers files (modules.json) or by having no
+    lm_head to generate with, or that hf_overrides asks to score (classifier_from_token); vLLM's
+    --runner pooling pools any."""
     if config.runner not in RUNNERS:
         raise ValueError(f"runner must be one of {list(RUNNERS)}, got {config.runner!r}")
     overrides = config.hf_overrides
     if config.runner == "generate":
         return None
-    declared = (model_dir / "modules.json").is_file() or "classifier_from_token" in overrides
-    if config.runner == "auto" and not declared:
+    if config.runner == "auto" and not _declares_pooling(model_dir, model_config, overrides):
         return None
     config_json = json.loads((model_dir / "config.json").read_text())
     return read_pooler_config(model_dir, config_json, model_config.text.hidden_size, overrides)
+
+
+def _declares_pooling(model_dir: Path, model_config: ModelConfig, overrides: dict[str, object]) -> bool:
+    if (model_dir / "modules.json").is_file() or "classifier_from_token" in overrides:
+        return True
+    if model_config.text.tie_word_embeddings:
+        return False
+    names = weight_names(model_dir)  # the safetensors headers only
+    return names is not None and bool(names) and "lm_head.weight" not in names
 
 
 def load_engine_model(config: EngineConfig, eos_token_ids: Iterable[int], model_dir: Path | None = None) -> EngineModel:
