@@ -49,7 +49,7 @@ from vlmserve.ipc.messages import (
 )
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT
+from vlmserve.progress import LOG_DATE_FORMAT, LOG_FORMAT, exit_now
 
 logger = logging.getLogger("vlmserve.engine")
 STATS_INTERVAL_S = 0.5
@@ -313,4 +313,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

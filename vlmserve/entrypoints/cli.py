@@ -470,6 +470,9 @@ def command_parser(name: str) -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `vlmserve` command. A server run from the command line (argv None: this process's own)
+    exits without the interpreter's teardown once it has stopped (progress.exit_now)."""
+    own_process = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         top_parser().print_help(sys.stderr)
@@ -486,11 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser(name)
     # Options may come before, between or after the positional words ("MODEL --image X QUESTION").
     args = parser.parse_intermixed_args(argv[1:])
-    from vlmserve.progress import configure_logging
+    from vlmserve.progress import configure_logging, exit_now
 
     configure_logging("DEBUG" if args.debug else getattr(args, "log_level", "INFO"))
     try:
-        return int(COMMANDS[name].run(args))
+        code = int(COMMANDS[name].run(args))
+        if own_process and name == "serve":
+            exit_now(code)  # the engine is stopped and the server's resources released
+        return code
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
