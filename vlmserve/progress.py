@@ -10,6 +10,7 @@ step, a compiler run), so no wait goes longer than that without a line or a movi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -135,8 +136,6 @@ def exit_now(code: int) -> NoReturn:
     which a server's stop would wait for."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing reaches it
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
-            pass
     os._exit(code)

@@ -10,19 +10,36 @@ conversation, whatever their form (a string, the object, content parts)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vlmserve.api.retrieval import embedding_conversation, reranker_conversation
+from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
 from vlmserve.outputs import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling import PoolerConfig, PoolingParams
 
-if TYPE_CHECKING:
-    from vlmserve.entrypoints.llm import LLM
+
+class LLM(Protocol):
+    """What these functions use of vlmserve.entrypoints.llm.LLM (which calls them)."""
+
+    llm_engine: LLMEngine
+    _ids: itertools.count[int]
+
+    def _process_prompt(
+        self, prompt: Any, where: str, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedPrompt: ...
+
+    def _truncated(
+        self, prompt: ProcessedPrompt, truncate_prompt_tokens: int | None, where: str
+    ) -> ProcessedPrompt: ...
+
+    def process_chat(self, messages: list[dict[str, Any]], *, where: str = "") -> ProcessedPrompt: ...
+
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
 
