@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from vlmserve.families.qwen2_vl.tiny import TinySpec, write_tiny_qwen2_vl
+from vlmserve.registry import BY_NAME
 
 if TYPE_CHECKING:
     from tests.api.conftest import Server
@@ -235,6 +236,23 @@ def tiny3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vlmserve.families.qwen3_vl.tiny import MOE_SPEC, write_tiny_qwen3_vl
 
     return write_tiny_qwen3_vl(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-moe", MOE_SPEC, seed=1, num_shards=2)
+
+
+@pytest.fixture(scope="session")
+def embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL-Embedding's layout (make-tiny --preset embedding): no lm_head, sentence-transformers'
+    files, so runner "auto" pools it."""
+    return BY_NAME["qwen3_vl"].write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-embedding", preset="embedding"
+    )
+
+
+@pytest.fixture(scope="session")
+def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL-Reranker's layout (make-tiny --preset reranker): served with RERANKER_OVERRIDES."""
+    return BY_NAME["qwen3_vl"].write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-reranker", preset="reranker", seed=1
+    )
 
 
 @pytest.fixture(scope="session")
