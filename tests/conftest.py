@@ -374,6 +374,18 @@ def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="session")
+def embedding_server(embedding_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny Qwen3-VL-Embedding served (runner "auto" pools it), at most 8 prompts at once in
+    512 tokens: the pooling server's tests and docs/server.md's embeddings example."""
+    from tests.api.conftest import start_server
+
+    flags = ("--max-num-seqs", "8", "--max-model-len", "512")
+    s = start_server(embedding_dir, tmp_path_factory.mktemp("embedding-server"), *flags)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def demo_checkpoint_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The embedded demo checkpoint served as "demo" and under the name `vlmserve serve` with no
     model gives it (its folder's): README's openai snippet and the demo model's tests."""

@@ -28,17 +28,11 @@ RERANKER_OVERRIDES = {
     "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": True,
 }
+# The servers' limits (the session's embedding_server has the same, tests/conftest.py).
 MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 512
 FLAGS = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN))
 TEXTS = ["a photo of a cat", "the weather today", "x"]
-
-
-@pytest.fixture(scope="module")
-def embedding_server(embedding_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = start_server(embedding_dir, tmp_path_factory.mktemp("embedding-server"), *FLAGS)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
