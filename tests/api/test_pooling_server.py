@@ -272,7 +272,9 @@ def test_bad_pooling_requests_are_400s_naming_the_problem_and_the_server_goes_on
     assert "dimensions must be between 1 and the model's embedding size 64, got 65" in wide
     broken = {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
     response = reranker_server.post("/rerank", {"query": "q", "documents": ["d", broken]})
-    assert "image" in _error(response).lower() and response.json()["error"]["param"] == "documents"
+    undecodable = _error(response)
+    assert undecodable.startswith("query, documents[1]: ") and "image" in undecodable
+    assert response.json()["error"]["param"] == "documents[1]"
     long = _error(embedding_server.post("/v1/embeddings", {"input": [[9707] * (MAX_MODEL_LEN + 10)]}))
     assert f"max_model_len={MAX_MODEL_LEN}" in long and str(MAX_MODEL_LEN + 10) in long
     mismatched = _error(reranker_server.post("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}))

@@ -289,8 +289,15 @@ class PoolingServing:
         )
 
     async def _conversation(
-        self, build: Callable[[], list[dict[str, Any]]], param: str, media: MediaDefaults, truncation: Truncation | None
+        self,
+        build: Callable[[], list[dict[str, Any]]],
+        where: str,
+        param: str,
+        media: MediaDefaults,
+        truncation: Truncation | None,
     ) -> ProcessedPrompt:
+        """The conversation `build` makes, rendered and processed; an error in it is a 400 that
+        names the inputs it was made of (`where`; the field `param`), not its messages."""
         try:
             messages = build()
         except ValueError as e:
@@ -300,6 +307,7 @@ class PoolingServing:
         except APIError as e:
             if e.param == "messages":
                 e.param = param
+                e.message = f"{where}: {e.message}"
             raise
 
     async def _embedding_input(
@@ -310,7 +318,7 @@ class PoolingServing:
         if isinstance(item, str):
             return await self._raw(item, where, truncation)
         return await self._conversation(
-            lambda: embedding_conversation(item, instruction, where), where, media, truncation
+            lambda: embedding_conversation(item, instruction, where), where, where, media, truncation
         )
 
     async def _scores(
@@ -327,10 +335,13 @@ class PoolingServing:
         truncation = self._truncation(body.truncate_prompt_tokens)
         if pooler.task == "score":
             self._check_count(len(right), "documents" if isinstance(body, RerankRequest) else "text_2")
-            param = "documents" if isinstance(body, RerankRequest) else "text_2"
             prompts = [
                 await self._conversation(
-                    partial(reranker_conversation, a, b, body.instruction, (where_a, where_b)), param, media, truncation
+                    partial(reranker_conversation, a, b, body.instruction, (where_a, where_b)),
+                    f"{where_a}, {where_b}",
+                    where_b,
+                    media,
+                    truncation,
                 )
                 for (where_a, a), (where_b, b) in zip(left, right, strict=True)
             ]
