@@ -130,6 +130,10 @@ def test_dimensions_keep_the_first_values_normalised_again(embedding_server: Ser
     short = client.embeddings.create(model="tiny", input=TEXTS[0], encoding_format="float", dimensions=16)
     assert len(short.data[0].embedding) == 16
     np.testing.assert_allclose(short.data[0].embedding, full[:16] / np.linalg.norm(full[:16]), atol=1e-5)
+    # normalize false (vLLM's): the pooled hidden state as it is, in the same direction
+    raw = _vectors(embedding_server.post("/v1/embeddings", {"input": TEXTS[0], "normalize": False}).json())[0]
+    assert np.linalg.norm(raw) > 4  # the final RMSNorm's output: about sqrt(64) = 8 long
+    np.testing.assert_allclose(np.array(raw) / np.linalg.norm(raw), full, atol=1e-5)
 
 
 def test_messages_with_an_image_equal_the_offline_embedding_of_the_conversation(
