@@ -165,9 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=hf_overrides,
         default={},
         metavar="JSON",
-        help="keys over the checkpoint's config.json, as vLLM takes them; a Qwen3-VL reranker: "
-        '\'{"architectures": ["Qwen3VLForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
-        '"is_original_qwen3_reranker": true}\'',
+        help="keys over the checkpoint's config.json, as vLLM takes them; a reranker in the yes/no form served as "
+        'vLLM serves it: \'{"classifier_from_token": ["no", "yes"]}\' with its architectures (docs/server.md)',
     )
     p.add_argument(
         "--enable-lora",
