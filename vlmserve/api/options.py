@@ -157,8 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "generate", "pooling"],
         default="auto",
         help="generate: text (chat, completions, responses); pooling: embeddings and scores (/v1/embeddings, "
-        "/rerank, /score) instead; auto: pooling for an embedding checkpoint (sentence-transformers' files) or "
-        "a reranker --hf-overrides names, else generate (vLLM's)",
+        "/rerank, /score) instead; auto: pooling for an embedding checkpoint (sentence-transformers' files, or "
+        "no lm_head) or a reranker --hf-overrides names, else generate (vLLM's)",
     )
     p.add_argument(
         "--hf-overrides",
