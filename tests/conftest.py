@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from vlmserve.families.qwen2_vl.tiny import TinySpec, write_tiny_qwen2_vl
+from vlmserve.registry import BY_NAME
 
 if TYPE_CHECKING:
     from tests.api.conftest import Server
@@ -238,6 +239,23 @@ def tiny3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL-Embedding's layout (make-tiny --preset embedding): no lm_head, sentence-transformers'
+    files, so runner "auto" pools it."""
+    return BY_NAME["qwen3_vl"].write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-embedding", preset="embedding"
+    )
+
+
+@pytest.fixture(scope="session")
+def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-VL-Reranker's layout (make-tiny --preset reranker): served with RERANKER_OVERRIDES."""
+    return BY_NAME["qwen3_vl"].write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-vl-reranker", preset="reranker", seed=1
+    )
+
+
+@pytest.fixture(scope="session")
 def hf3_model(tiny3_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -351,6 +369,18 @@ def qwen3_server(tiny3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     from tests.api.conftest import start_server
 
     s = start_server(tiny3_dir, tmp_path_factory.mktemp("qwen3-server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def embedding_server(embedding_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny Qwen3-VL-Embedding served (runner "auto" pools it), at most 8 prompts at once in
+    512 tokens: the pooling server's tests and docs/server.md's embeddings example."""
+    from tests.api.conftest import start_server
+
+    flags = ("--max-num-seqs", "8", "--max-model-len", "512")
+    s = start_server(embedding_dir, tmp_path_factory.mktemp("embedding-server"), *flags)
     yield s
     s.stop()
 

@@ -91,20 +91,20 @@ def _names_the_shapes(stdout: str) -> None:
     assert names_shapes(scenes.example_scene(), stdout), stdout
 
 
-def _intro(tmp: Path, server: Callable[[], Server]) -> Run:
+def _intro(tmp: Path, server: Callable[..., Server]) -> Run:
     # README's first example: the demo checkpoint (a Qwen2-VL) for Qwen2-VL-2B-Instruct, greedy.
     _png(tmp / "examples" / "shapes.png")
     return Run(tmp, {'"Qwen/Qwen2-VL-2B-Instruct"': repr(str(demo_checkpoint_dir()))}, _names_the_shapes)
 
 
-def _openai(tmp: Path, server: Callable[[], Server]) -> Run:
+def _openai(tmp: Path, server: Callable[..., Server]) -> Run:
     s = server()
     _png(tmp / "examples" / "shapes.png")
     subs = {"http://127.0.0.1:8000": s.url, 'api_key="KEY"': f'api_key="{s.api_key}"'}
     return Run(tmp, subs, _names_the_shapes)
 
 
-def _options(tmp: Path, server: Callable[[], Server]) -> Run:
+def _options(tmp: Path, server: Callable[..., Server]) -> Run:
     # The Python API's tour: every option, generate with an image and with a video, chat with an
     # image URL, a local file and a video; media written here, the URL a data: URL of a picture.
     _png(tmp / "cat.jpg")
@@ -126,7 +126,7 @@ def _options(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
-def _grounding(tmp: Path, server: Callable[[], Server]) -> Run:
+def _grounding(tmp: Path, server: Callable[..., Server]) -> Run:
     # Qwen2.5-VL's example run on the demo checkpoint (a Qwen2-VL, so Qwen2-VL's convention), asked
     # the grounding question it was trained on: boxes to map, print and draw.
     _png(tmp / "photo.jpg")
@@ -144,7 +144,7 @@ def _grounding(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
-def _lora(tmp: Path, server: Callable[[], Server]) -> Run:
+def _lora(tmp: Path, server: Callable[..., Server]) -> Run:
     # The LoRA example on the demo checkpoint, with a random adapter written for it by the LoRA
     # benchmark's writer (PEFT's files and names).
     from vlmserve.bench.lora import write_lora_adapter
@@ -159,7 +159,7 @@ def _lora(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
-def _pooling(tmp: Path, server: Callable[[], Server]) -> Run:
+def _pooling(tmp: Path, server: Callable[..., Server]) -> Run:
     # The pooling example on tiny checkpoints in the two published layouts (make-tiny's presets).
     from vlmserve.registry import BY_NAME
 
@@ -176,33 +176,54 @@ def _pooling(tmp: Path, server: Callable[[], Server]) -> Run:
     return Run(tmp, subs, check)
 
 
+def _embeddings(tmp: Path, server: Callable[..., Server]) -> Run:
+    # The pooling models' example on the tiny Qwen3-VL-Embedding's server (an embedding model's
+    # rerank scores are cosine similarities), served as "tiny".
+    s = server("embedding_server")
+    subs = {
+        "http://127.0.0.1:8001": s.url,
+        'api_key="KEY"': f'api_key="{s.api_key}"',
+        '"Bearer KEY"': f'"Bearer {s.api_key}"',
+        '"Qwen3-VL-Embedding-2B"': '"tiny"',
+    }
+
+    def check(stdout: str) -> None:
+        lines = stdout.splitlines()
+        assert lines[0].startswith("2 64 ") and len(lines) == 3, stdout  # two embeddings of the tiny model's size
+        assert sorted(lines[1].split()) == ["0", "1"], stdout  # both documents ranked
+
+    return Run(tmp, subs, check)
+
+
 # A python block is recognised by a line it holds; each must be exactly one of these.
-PYTHON_RUNS: dict[str, Callable[[Path, Callable[[], Server]], Run]] = {
+PYTHON_RUNS: dict[str, Callable[[Path, Callable[..., Server]], Run]] = {
     'llm = LLM("Qwen/Qwen2-VL-2B-Instruct")': _intro,
     'client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY")': _openai,
     '"path/to/Qwen2-VL-2B-Instruct",': _options,
     'llm = LLM("Qwen/Qwen2.5-VL-3B-Instruct")': _grounding,
     'adapter = LoRARequest("captions", 1, "path/to/captions-adapter")': _lora,
     'embedder = LLM("Qwen/Qwen3-VL-Embedding-2B")': _pooling,
+    'client = OpenAI(base_url="http://127.0.0.1:8001/v1", api_key="KEY")': _embeddings,
 }
 
 
-def _handler(block: Block) -> Callable[[Path, Callable[[], Server]], Run]:
+def _handler(block: Block) -> Callable[[Path, Callable[..., Server]], Run]:
     (key,) = [key for key in PYTHON_RUNS if key in block.body] or [None]
     assert key is not None, f"{block}: a python block no test runs; add it to PYTHON_RUNS"
     return PYTHON_RUNS[key]
 
 
 @pytest.fixture
-def demo_server(request: pytest.FixtureRequest) -> Callable[[], Server]:
+def demo_server(request: pytest.FixtureRequest) -> Callable[..., Server]:
     """The server README's openai snippet expects (`vlmserve serve`, no model: the demo checkpoint
-    under its folder's name), started on first use: the session's (tests/conftest.py)."""
-    return lambda: request.getfixturevalue("demo_checkpoint_server")
+    under its folder's name), started on first use: the session's (tests/conftest.py); another of
+    the session's servers by its fixture's name."""
+    return lambda name="demo_checkpoint_server": request.getfixturevalue(name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON, ids=str)
-def test_python_block_runs(block: Block, tmp_path: Path, demo_server: Callable[[], Server]) -> None:
+def test_python_block_runs(block: Block, tmp_path: Path, demo_server: Callable[..., Server]) -> None:
     run = _handler(block)(tmp_path, demo_server)
     code = block.body
     for old, new in run.substitutions.items():

@@ -118,6 +118,18 @@ def speculative_config(text: str) -> dict[str, object]:
     return value
 
 
+def hf_overrides(text: str) -> dict[str, object]:
+    """vLLM's --hf-overrides: a JSON object of keys over the checkpoint's config.json (a pooling
+    model reads classifier_from_token, is_matryoshka and matryoshka_dimensions from it)."""
+    value = _json_object(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object like \'{{"architectures": ["Qwen3VLForSequenceClassification"], '
+            f'"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}}\', got {text!r}'
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class LoRAModulePath:
     """An adapter of `--lora-modules` (vLLM's LoRAModulePath): what requests call it, its folder

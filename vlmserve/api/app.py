@@ -2,7 +2,8 @@
 
 Routes: GET / (the chat page, web_ui.py; off with --disable-web-ui), POST /v1/chat/completions,
 POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/{id} (serving_responses.py),
-GET /v1/models (the served model, then its LoRA adapters), GET /health, GET /metrics, with
+GET /v1/models (the served model, then its LoRA adapters), a pooling model's POST /v1/embeddings,
+/pooling, /rerank (/v1/rerank, /v2/rerank) and /score (/v1/score) (serving_pooling.py), GET /health, GET /metrics, with
 --allow-runtime-lora-updating POST /v1/load_lora_adapter and /v1/unload_lora_adapter (serving_models.py),
 and vLLM's: POST /tokenize, POST /detokenize, POST /invocations (SageMaker's: a chat or a
 completions body, told apart by its shape), GET|POST /ping, GET /version, GET /load. Paths are
@@ -54,6 +55,8 @@ from vlmserve.api.serving import ServingContext, request_arrival
 from vlmserve.api.serving_chat import ChatServing
 from vlmserve.api.serving_completion import CompletionServing
 from vlmserve.api.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from vlmserve.api.serving_pooling import POOLING_PATHS, PoolingServing, refuse_generation
+from vlmserve.api.serving_pooling import add_routes as add_pooling_routes
 from vlmserve.api.serving_responses import ResponsesServing
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.api.web_ui import WEB_PATHS
@@ -64,7 +67,7 @@ from vlmserve.version import __version__
 logger = logging.getLogger("vlmserve.api")
 OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
 # POST paths that run engine requests: admitted (queue limit, draining, engine down) like /v1/.
-ADMITTED_PATHS = ("/invocations",)
+ADMITTED_PATHS = ("/invocations", *POOLING_PATHS)
 # POST paths that fetch and process media without the engine: the queue limit and draining only.
 QUEUED_PATHS = ("/tokenize",)
 Scope = MutableMapping[str, Any]
@@ -393,6 +396,7 @@ def build_app(
         request_lora.set(ctx.check_model(model))
 
     async def run_chat(body: ChatCompletionRequest, request: Request) -> Response:
+        refuse_generation(ctx, "Chat Completions")
         arrived(body.model)
         parsing = chat_serving.parsing(body)
         prompt, params = await _until_disconnected(request, prompt_builder.chat(body))
@@ -402,6 +406,7 @@ def build_app(
         return JSONResponse(await _until_disconnected(request, chat_serving.response(body, prompt, params, parsing)))
 
     async def run_completions(body: CompletionRequest, request: Request) -> Response:
+        refuse_generation(ctx, "Completions")
         arrived(body.model)
         prompts, params = await _until_disconnected(request, prompt_builder.completion(body))
         if body.stream:
@@ -419,6 +424,7 @@ def build_app(
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
+        refuse_generation(ctx, "Responses")
         arrived(body.model)
         run = responses_serving.prepare(body)
         prompt, params = await _until_disconnected(request, responses_serving.prompt(prompt_builder, run))
@@ -487,6 +493,7 @@ def build_app(
         text = await asyncio.to_thread(ctx.frontend.tokenizer.decode, body.tokens, False)
         return {"prompt": text}
 
+    add_pooling_routes(app, PoolingServing(ctx, prompt_builder), arrived, _until_disconnected)
     if web_ui:
         add_web_routes(app)
     asgi: ASGIApp = admission(app, app.state)  # type: ignore[arg-type]

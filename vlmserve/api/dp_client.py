@@ -33,7 +33,8 @@ from vlmserve.engine.memory import default_budget
 from vlmserve.errors import UserError
 from vlmserve.lora.request import LoRAError, LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import PoolingRequestOutput, RequestOutput
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("vlmserve.api")
@@ -154,14 +155,7 @@ class DataParallelClient:
         self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, arrival_time: float | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """EngineClient.generate on the engine the router picks among those up."""
-        up = [engine.unavailable_reason is None for engine in self.engines]
-        holder = next((k for k, engine in enumerate(self.engines) if request_id in engine.queues), None)
-        if len(self.engines) == 1 or not any(up) or holder is not None:
-            # The one engine; or one that refuses it (none is up; the id is in use there),
-            # freeing the segments its token handles name, as with one engine.
-            k = holder or 0
-        else:
-            k = self.router.choose(affinity_keys(prompt), up)
+        k = self._engine_for(request_id, prompt)
         cost = params.n
         self.router.add(k, cost)
         try:
@@ -170,3 +164,21 @@ class DataParallelClient:
                     yield output
         finally:
             self.router.remove(k, cost)
+
+    async def pool(self, request_id: str, prompt: ProcessedPrompt, params: PoolingParams) -> PoolingRequestOutput:
+        """EngineClient.pool on the engine the router picks among those up."""
+        k = self._engine_for(request_id, prompt)
+        self.router.add(k, 1)
+        try:
+            return await self.engines[k].pool(request_id, prompt, params)
+        finally:
+            self.router.remove(k, 1)
+
+    def _engine_for(self, request_id: str, prompt: ProcessedPrompt) -> int:
+        up = [engine.unavailable_reason is None for engine in self.engines]
+        holder = next((k for k, engine in enumerate(self.engines) if request_id in engine.queues), None)
+        if len(self.engines) == 1 or not any(up) or holder is not None:
+            # The one engine; or one that refuses it (none is up; the id is in use there),
+            # freeing the segments its token handles name, as with one engine.
+            return holder or 0
+        return self.router.choose(affinity_keys(prompt), up)

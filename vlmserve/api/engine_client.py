@@ -21,7 +21,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from vlmserve.api.output_processor import OutputProcessor
 from vlmserve.api.request_stats import RequestStatsTracker, StatLogger
 from vlmserve.engine.config import EngineConfig
 from vlmserve.ipc import shm, token_handles
+from vlmserve.ipc.contracts import EngineCoreOutput
 from vlmserve.ipc.messages import (
     AbortRequests,
     AddLoRA,
@@ -54,7 +56,8 @@ from vlmserve.ipc.messages import (
 )
 from vlmserve.lora.request import LoRAError, LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 # The HTTP request being served, set by its endpoint: the engine shares its steps fairly among
@@ -99,7 +102,8 @@ class EngineClient:
         self.config = config
         self.frontend = frontend
         self.outputs = OutputProcessor(frontend.tokenizer)
-        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.queues: dict[str, asyncio.Queue[RequestOutput | EngineCoreOutput | BaseException]] = {}
+        self.pooling: set[str] = set()  # the pooling requests in flight (no output processor state)
         self.segments: dict[str, list[str]] = {}  # request id -> segments the engine may not have taken yet
         self.stats: Stats | None = None  # the running engine's latest; None while none runs
         self.stat_logger = stat_logger
@@ -171,6 +175,56 @@ class EngineClient:
         """Submit a request; yields its (cumulative) output after every step that changed it.
         Closing the iterator early (client gone) aborts the request and frees what it holds.
         `arrival_time`: when the request arrived (time.monotonic()), for its metrics; None: now."""
+
+        def message(wire_prompt: ProcessedPrompt, segments: list[shm.Segment]) -> AddRequest:
+            child_ids = self.outputs.add_prompt(request_id, prompt, params)
+            room = self.frontend.max_model_len - prompt.num_tokens
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+            arrival = time.monotonic() if arrival_time is None else arrival_time
+            self.request_stats.add(request_id, child_ids, prompt.num_tokens, max_tokens, arrival)
+            children = [params.for_child(i) for i in range(len(child_ids))]
+            owner = request_owner.get() or request_id
+            return AddRequest(request_id, child_ids, children, wire_prompt, segments, owner, request_lora.get())
+
+        async with aclosing(self._submit(request_id, prompt, message)) as outputs:
+            async for output in outputs:
+                assert isinstance(output, RequestOutput)
+                yield output
+
+    async def pool(self, request_id: str, prompt: ProcessedPrompt, params: PoolingParams) -> PoolingRequestOutput:
+        """A pooling model's request: its prompt's vector (an embedding, or a reranker's score),
+        straight from the engine's output (no detokenizer). Cancelling the call aborts it."""
+
+        def message(wire_prompt: ProcessedPrompt, segments: list[shm.Segment]) -> AddRequest:
+            self.pooling.add(request_id)
+            owner = request_owner.get() or request_id
+            no_sampling = [SamplingParams(max_tokens=1)]
+            return AddRequest(
+                request_id, [request_id], no_sampling, wire_prompt, segments, owner, request_lora.get(), params
+            )
+
+        try:
+            async with aclosing(self._submit(request_id, prompt, message)) as outputs:
+                async for output in outputs:
+                    assert isinstance(output, EngineCoreOutput) and output.pooled is not None
+                    pooled = PoolingOutput(output.pooled)
+                    return PoolingRequestOutput(
+                        request_id, pooled, list(prompt.prompt_token_ids), True, output.num_cached_tokens
+                    )
+        finally:
+            self.pooling.discard(request_id)
+        raise AssertionError("a pooling request ends with its output or an error")
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        message: Callable[[ProcessedPrompt, list[shm.Segment]], AddRequest],
+    ) -> AsyncGenerator[RequestOutput | EngineCoreOutput, None]:
+        """The engine request `message` makes of the prompt as it travels (pixels left out: they
+        wait in the segments), sent; yields what comes back for it until it is finished (a
+        pooling request's one output). Closing early aborts it; segments the engine never took
+        are unlinked."""
         # The list-of-dicts input: segments named by handles in the ids are ours to free until the engine has them.
         names = [] if prompt.mm_items else token_handles.segment_names(prompt.prompt_token_ids, self.frontend.processor)
         reason = self.unavailable_reason
@@ -180,7 +234,7 @@ class EngineClient:
             if reason is not None:
                 raise EngineDeadError(reason)
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | EngineCoreOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         self.segments[request_id] = names
         finished = False
@@ -196,22 +250,15 @@ class EngineClient:
                 prompt=None,
                 mm_items=[dataclasses.replace(item, pixel_values=_NO_PIXELS) for item in prompt.mm_items],
             )
-            child_ids = self.outputs.add_prompt(request_id, prompt, params)
+            add = message(wire_prompt, segments)
             submitted = True
-            room = self.frontend.max_model_len - prompt.num_tokens
-            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-            arrival = time.monotonic() if arrival_time is None else arrival_time
-            self.request_stats.add(request_id, child_ids, prompt.num_tokens, max_tokens, arrival)
-            children = [params.for_child(i) for i in range(len(child_ids))]
-            owner = request_owner.get() or request_id
-            message = AddRequest(request_id, child_ids, children, wire_prompt, segments, owner, request_lora.get())
-            await self._push.send(encoder.encode(message))
+            await self._push.send(encoder.encode(add))
             while True:
                 output = await queue.get()
                 if isinstance(output, BaseException):
                     finished = True
                     raise output
-                finished = output.finished
+                finished = isinstance(output, EngineCoreOutput) or output.finished
                 yield output
                 if finished:
                     return
@@ -225,7 +272,10 @@ class EngineClient:
                 shm.unlink(name)
 
     async def abort(self, request_id: str) -> None:
-        _, child_ids = self.outputs.abort(request_id)
+        if request_id in self.pooling:
+            child_ids = [request_id]
+        else:
+            _, child_ids = self.outputs.abort(request_id)
         # Queued for an engine that is only silent: it drops the request if it comes back.
         if child_ids and self.engine.healthy:
             await self._push.send(encoder.encode(AbortRequests(child_ids)))
@@ -290,7 +340,15 @@ class EngineClient:
             logger.warning("dropped a malformed engine message: %s", e)
             return
         if isinstance(message, StepOutputs):
-            outputs, stopped = self.outputs.process(message.outputs)
+            generated = message.outputs
+            if self.pooling:  # a pooling request's output is its vector, for whoever awaits it
+                for pooled in [o for o in generated if o.pooled is not None]:
+                    self.segments.pop(pooled.request_id, None)  # the engine took them
+                    pooling_queue = self.queues.get(pooled.request_id)
+                    if pooling_queue is not None:
+                        pooling_queue.put_nowait(pooled)
+                generated = [o for o in generated if o.pooled is None]
+            outputs, stopped = self.outputs.process(generated)
             if stopped:
                 self._push.send(encoder.encode(AbortRequests(stopped, stopped=True)))
             now = time.monotonic()

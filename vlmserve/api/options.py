@@ -15,6 +15,7 @@ from vlmserve.arg_types import (
     add_parallel_flags,
     existing_dir,
     fraction,
+    hf_overrides,
     limit_mm_per_prompt,
     lora_module,
     max_logprobs,
@@ -150,6 +151,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' (drafts from the request\'s own tokens) or \'{"method": "mtp", '
         "\"num_speculative_tokens\": 2}' (a checkpoint's multi-token-prediction head)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=["auto", "generate", "pooling"],
+        default="auto",
+        help="generate: text (chat, completions, responses); pooling: embeddings and scores (/v1/embeddings, "
+        "/rerank, /score) instead; auto: pooling for an embedding checkpoint (sentence-transformers' files, or "
+        "no lm_head) or a reranker --hf-overrides names, else generate (vLLM's)",
+    )
+    p.add_argument(
+        "--hf-overrides",
+        type=hf_overrides,
+        default={},
+        metavar="JSON",
+        help="keys over the checkpoint's config.json, as vLLM takes them; a reranker in the yes/no form served as "
+        'vLLM serves it: \'{"classifier_from_token": ["no", "yes"]}\' with its architectures (docs/server.md)',
     )
     p.add_argument(
         "--enable-lora",

@@ -110,6 +110,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Any, DataParallelClient]:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        runner=args.runner,
+        hf_overrides=args.hf_overrides,
         **parallel_options(args),
         rank_stall_timeout_s=args.engine_stall_timeout,
         mm_processor_kwargs={} if args.max_pixels is None else {"max_pixels": args.max_pixels},

@@ -188,7 +188,14 @@ class EngineLoop:
             prompt = self._prompt(message)
             self.core.check_fits(prompt)
             for child_id, params in zip(message.child_ids, message.params, strict=True):
-                self.core.add_request(child_id, prompt, params, message.owner, lora_request=message.lora_request)
+                self.core.add_request(
+                    child_id,
+                    prompt,
+                    params,
+                    message.owner,
+                    lora_request=message.lora_request,
+                    pooling_params=message.pooling_params,
+                )
             for child_id in message.child_ids:
                 self.parents[child_id] = (message.request_id, list(message.child_ids))
             self._answer_refused()

@@ -13,6 +13,7 @@ from vlmserve.ipc import serial, shm
 from vlmserve.ipc.contracts import EngineCoreOutput
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
+from vlmserve.pooling import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     owner: str = ""
     # The adapter every sample runs with (the request's `model` named it); None: the base model.
     lora_request: LoRARequest | None = None
+    # A pooling model's request (one child, params unused): its only output carries its prompt's
+    # pooled vector (EngineCoreOutput.pooled), nothing is sampled.
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
