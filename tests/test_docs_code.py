@@ -202,7 +202,7 @@ PYTHON_RUNS: dict[str, Callable[[Path, Callable[..., Server]], Run]] = {
     '"path/to/Qwen2-VL-2B-Instruct",': _options,
     'llm = LLM("Qwen/Qwen2.5-VL-3B-Instruct")': _grounding,
     'adapter = LoRARequest("captions", 1, "path/to/captions-adapter")': _lora,
-    'embedder = LLM("Qwen/Qwen3-VL-Embedding-2B")': _pooling,
+    'embedder = LLM("Qwen/Qwen3-VL-Embedding-2B", max_model_len=8192)': _pooling,
     'client = OpenAI(base_url="http://127.0.0.1:8001/v1", api_key="KEY")': _embeddings,
 }
 
