@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from vlmserve.api.protocol import MESSAGE_SCHEMA, ChatTemplateField, refuse_unsupported
-from vlmserve.errors import APIError
+from vlmserve.api.protocol import MESSAGE_SCHEMA, ChatTemplateField, check_continuation, refuse_unsupported
 from vlmserve.sampling_params import INT64_MAX
 
 # An input to embed: a text, or token ids.
@@ -64,12 +63,7 @@ class EmbeddingChatRequest(_EmbeddingFields):
 
     @model_validator(mode="after")
     def _one_of_the_two(self) -> EmbeddingChatRequest:
-        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
-            raise APIError(
-                400,
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         return self
 
 

@@ -542,12 +542,7 @@ class ChatCompletionRequest(_SamplingFields):
         except ValueError as e:
             message = str(e)
             raise APIError(400, message, message.split(":", 1)[0]) from None
-        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
-            raise APIError(
-                400,
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.use_beam_search and forced_tool_schema(
             self.tools, self.effective_tool_choice, self.parallel_tool_calls
         ):
@@ -636,13 +631,18 @@ class TokenizeChatRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> TokenizeChatRequest:
         refuse_unsupported(self.model_extra, UNSUPPORTED_FIELDS)
-        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
-            raise APIError(
-                400,
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         return self
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a request cannot both leave the last message open and add the generation prompt."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
 
 
 class DetokenizeRequest(BaseModel):

@@ -100,6 +100,19 @@ class ServingContext:
         return self.model_name if lora is None else lora.lora_name
 
 
+def engine_error(e: RequestRefused | RequestFailedInEngine | EngineDeadError, request_id: str) -> tuple[str, APIError]:
+    """What an engine client's failure of a request is: its outcome for the requests metric and
+    the HTTP error its client gets (the request's fault: 400; the engine's: 500, logged; no
+    engine: 503)."""
+    if isinstance(e, RequestRefused):
+        return "error", APIError(400, str(e))
+    if isinstance(e, RequestFailedInEngine):
+        logger.error("request %s failed in the engine: %s", request_id, e)
+        message = f"internal error while computing this request ({request_id})"
+        return "error", APIError(500, message, code="internal_error")
+    return "engine_down", APIError(503, str(e), code="engine_unavailable")
+
+
 class EngineServing:
     """The base of an endpoint's serving: its context, the model's grounding convention (for the
     `vlmserve` extension), and engine requests run to their outputs."""
@@ -135,17 +148,9 @@ class EngineServing:
                         metrics.image_tokens.inc(sum(output.num_image_tokens))
                         metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
                     yield output
-        except RequestRefused as e:
-            outcome = "error"
-            raise APIError(400, str(e)) from None
-        except RequestFailedInEngine as e:
-            outcome = "error"
-            logger.error("request %s failed in the engine: %s", request_id, e)
-            message = f"internal error while computing this request ({request_id})"
-            raise APIError(500, message, code="internal_error") from None
-        except EngineDeadError as e:
-            outcome = "engine_down"
-            raise APIError(503, str(e), code="engine_unavailable") from None
+        except (RequestRefused, RequestFailedInEngine, EngineDeadError) as e:
+            outcome, error = engine_error(e, request_id)
+            raise error from None
         finally:
             metrics.in_flight.dec()
             metrics.requests.labels(outcome).inc()

@@ -41,7 +41,7 @@ from vlmserve.api.pooling_protocol import (
 from vlmserve.api.prompts import PromptBuilder, Truncation
 from vlmserve.api.protocol import check_text
 from vlmserve.api.retrieval import embedding_conversation, reranker_conversation
-from vlmserve.api.serving import ServingContext
+from vlmserve.api.serving import ServingContext, engine_error
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.errors import APIError
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -382,17 +382,9 @@ class PoolingServing:
             metrics.prompt_tokens.inc(sum(len(p.prompt_token_ids) for p in prompts))
             metrics.image_tokens.inc(sum(item.length for p in prompts for item in p.mm_items))
             return list(outputs)
-        except RequestRefused as e:
-            outcome = "error"
-            raise APIError(400, str(e)) from None
-        except RequestFailedInEngine as e:
-            outcome = "error"
-            logger.error("request %s failed in the engine: %s", base, e)
-            message = f"internal error while computing this request ({base})"
-            raise APIError(500, message, code="internal_error") from None
-        except EngineDeadError as e:
-            outcome = "engine_down"
-            raise APIError(503, str(e), code="engine_unavailable") from None
+        except (RequestRefused, RequestFailedInEngine, EngineDeadError) as e:
+            outcome, error = engine_error(e, base)
+            raise error from None
         finally:
             for task in tasks:
                 task.cancel()
