@@ -113,3 +113,40 @@ def test_a_forced_kernel_path_keeps_plain_weights(tiny_dir: Path, monkeypatch: p
     model = Harness(tiny_dir, torch.bfloat16).model
     assert prepacked_layers(model) == 0 and prepacked_layers(model, packed_linear) == 0
     assert not any(m.weight.is_mkldnn for m in _linears(model))
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
+def test_vision_mlp_fuses_its_gelu_into_fc1_unless_an_adapter_hooks_fc1(act: str) -> None:
+    """Qwen3-VL's tower MLP on reordered weights: fc1's GELU is oneDNN's post-op (one pass, one
+    rounding), within a bf16 step of the separate pass; with a forward hook on fc1 (a LoRA
+    adapter's update, which must come before the activation) the two passes run as before."""
+    from vlmserve.families.common.vision import VisionMLP
+
+    g = torch.Generator().manual_seed(3)
+    mlp = VisionMLP(64, 256, act, names=("linear_fc1", "linear_fc2")).bfloat16().requires_grad_(False)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(300, 64, generator=g).bfloat16()
+    fc1 = mlp.linear_fc1
+    plain = (fc1.weight.detach().clone(), fc1.bias.detach().clone())
+    exact = mlp.act(F.linear(x.float(), plain[0].float(), plain[1].float()))  # float32 throughout
+    assert prepack_linear_layers(mlp) == 2
+    with torch.inference_mode():
+        fused_hidden = fc1.forward_activated(x, act)
+        assert fused_hidden is not None
+        separate = mlp.act(fc1(x))
+        # one rounding instead of two: at least as close to float32, and within a bf16 step of the two-pass result
+        assert (fused_hidden.float() - exact).abs().max() <= (separate.float() - exact).abs().max()
+        torch.testing.assert_close(fused_hidden, separate, atol=2e-2, rtol=1.6e-2)
+        out = mlp(x)
+        torch.testing.assert_close(out, mlp.linear_fc2(fused_hidden), atol=0, rtol=0)
+        shift = torch.full((256,), 0.5, dtype=torch.bfloat16)
+        handle = fc1.register_forward_hook(lambda _m, _i, y: y + shift)
+        try:
+            assert fc1.forward_activated(x, act) is None
+            hooked = mlp(x)
+        finally:
+            handle.remove()
+        torch.testing.assert_close(hooked, mlp.linear_fc2(mlp.act(fc1(x) + shift)), atol=0, rtol=0)
+    assert fc1.forward_activated(x, "quick_gelu") is None  # not one oneDNN applies

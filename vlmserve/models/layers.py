@@ -12,7 +12,12 @@ from torch import nn
 from vlmserve.kernels import LinearOp
 from vlmserve.kernels.cpu import Avx512Kernels, CpuKernels, load_cpu_kernels
 from vlmserve.kernels.dispatch import avx512_kernels
-from vlmserve.kernels.onednn import packed_linear, prepacked_linear
+from vlmserve.kernels.onednn import (
+    FUSED_ACTIVATIONS,
+    packed_linear,
+    prepacked_linear,
+    prepacked_linear_activation,
+)
 
 
 class Linear(nn.Linear):
@@ -23,6 +28,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight, self.bias)
+
+    def forward_activated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """The activation (by its config name) of this layer's output in one oneDNN pass, where
+        the layer runs on a reordered weight (the vision tower's), nothing is hooked on its output
+        (a LoRA adapter's update comes before the activation) and no collective follows; None
+        elsewhere: the caller applies the activation itself."""
+        if self.op is not prepacked_linear or self._forward_hooks or activation not in FUSED_ACTIVATIONS:
+            return None
+        if getattr(self, "collective", None) is not None:
+            return None
+        return prepacked_linear_activation(x, self.weight, self.bias, activation)
 
 
 def bind_linear_op(model: nn.Module, op: LinearOp) -> None:

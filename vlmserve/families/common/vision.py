@@ -6,6 +6,7 @@ merge_size x merge_size block of patches contiguous, so the merger sees a block 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,11 +81,13 @@ class VisionMLP(nn.Module):
         self.names = names
         self.add_module(names[0], ColumnParallelLinear.split(dim, [hidden_dim], bias=True))
         self.add_module(names[1], RowParallelLinear(hidden_dim, dim, bias=True))
+        self.act_name = act
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc1, fc2 = (self.get_submodule(name) for name in self.names)
-        return fc2(self.act(fc1(x)))
+        fc1, fc2 = (cast(Linear, self.get_submodule(name)) for name in self.names)
+        hidden = fc1.forward_activated(x, self.act_name)  # one oneDNN pass where it applies
+        return fc2(self.act(fc1(x)) if hidden is None else hidden)
 
 
 class SwiGLUVisionMLP(nn.Module):
