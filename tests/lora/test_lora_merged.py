@@ -80,3 +80,28 @@ def test_an_adapter_gives_its_merged_weights_tokens(
     for mine, theirs in zip(adapted.logprobs, merged.logprobs, strict=True):
         for token, logprob in theirs.items():
             assert abs(mine[token].logprob - logprob.logprob) < 1e-4
+
+
+def test_an_adapter_on_an_embedding_model_gives_its_merged_weights_embeddings(
+    embedding_dir: Path, tmp_path: Path
+) -> None:
+    """A pooling model (Qwen3-VL-Embedding's layout) with an adapter on its language model: the
+    embeddings of its update merged into the weights, a batch of an adapter's and the base's
+    inputs included."""
+    from PIL import Image
+
+    pattern = r"model\.language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.\w+_proj)"
+    write_adapter_and_merged(embedding_dir, pattern, tmp_path / "adapter", tmp_path / "merged")
+    small = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_gib": 0.01}
+    inputs = [{"text": "a red square"}, {"text": "a picture", "image": Image.new("RGB", (64, 64), "red")}]
+    merged = torch.tensor([o.outputs.embedding for o in LLM(tmp_path / "merged", **small).embed(inputs)])
+    llm = LLM(embedding_dir, enable_lora=True, max_lora_rank=RANK, **small)
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    base = torch.tensor([o.outputs.embedding for o in llm.embed(inputs)])
+    mixed = llm.embed(inputs + inputs, lora_request=[adapter, adapter, None, None])
+    adapted = torch.tensor([o.outputs.embedding for o in mixed])
+    assert float((base - merged).abs().max()) > 1e-2, (
+        "the adapter must move the embeddings for this test to mean anything"
+    )
+    torch.testing.assert_close(adapted[:2], merged, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(adapted[2:], base, atol=1e-5, rtol=1e-4)
