@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 TASKS = ("embed", "score")
+# vLLM's --runner values (engine/checkpoint.py resolve_pooler says what "auto" picks).
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass(frozen=True)

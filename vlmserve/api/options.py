@@ -33,6 +33,7 @@ from vlmserve.parser_names import (
     TOOL_CALL_PARSERS,
     XML_TOOL_CALL_PARSER,
 )
+from vlmserve.pooling import RUNNERS
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 
@@ -154,7 +155,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--runner",
-        choices=["auto", "generate", "pooling"],
+        choices=RUNNERS,
         default="auto",
         help="generate: text (chat, completions, responses); pooling: embeddings and scores (/v1/embeddings, "
         "/rerank, /score) instead; auto: pooling for an embedding checkpoint (sentence-transformers' files, or "

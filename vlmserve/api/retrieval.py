@@ -66,6 +66,11 @@ def reranker_conversation(
     ]
 
 
+def is_content_parts(value: object) -> bool:
+    """A list of content parts (one multimodal query or document), not a list of inputs."""
+    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
+
+
 def content_parts(item: object, where: str, max_pixels: int) -> list[dict[str, Any]]:
     """One input as chat content parts (see the module's docstring)."""
     if isinstance(item, str):

@@ -40,7 +40,7 @@ from vlmserve.api.pooling_protocol import (
 )
 from vlmserve.api.prompts import PromptBuilder, Truncation
 from vlmserve.api.protocol import check_text
-from vlmserve.api.retrieval import embedding_conversation, reranker_conversation
+from vlmserve.api.retrieval import embedding_conversation, is_content_parts, reranker_conversation
 from vlmserve.api.serving import ServingContext, engine_error
 from vlmserve.api.tool_calling import template_messages
 from vlmserve.errors import APIError
@@ -86,11 +86,6 @@ def _pooler(ctx: ServingContext, api: str, task: str | None = None) -> PoolerCon
     return pooler
 
 
-def _is_parts(value: object) -> bool:
-    """A list of content parts (one query or document), not a list of them."""
-    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
-
-
 def _documents(documents: list[ScoreItem] | dict[str, Any], param: str) -> list[ScoreItem]:
     """The documents of a request: a list of them, or vLLM's {"content": [parts]} (each part one)."""
     if isinstance(documents, dict):
@@ -104,7 +99,7 @@ def _documents(documents: list[ScoreItem] | dict[str, Any], param: str) -> list[
 def _as_list(value: object, param: str) -> list[ScoreItem]:
     if isinstance(value, dict) and set(value) == {"content"}:
         return _documents(value, param)
-    if isinstance(value, (str, dict)) or _is_parts(value):
+    if isinstance(value, (str, dict)) or is_content_parts(value):
         return [value]  # type: ignore[list-item]
     return list(value)  # type: ignore[call-overload]
 

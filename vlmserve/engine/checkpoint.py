@@ -14,7 +14,7 @@ from vlmserve.config import ModelConfig
 from vlmserve.engine.config import EngineConfig
 from vlmserve.family import ModelFamily, ProcessorContext
 from vlmserve.model_files import resolve_model_dir, weight_names
-from vlmserve.pooling import PoolerConfig, read_pooler_config
+from vlmserve.pooling import RUNNERS, PoolerConfig, read_pooler_config
 from vlmserve.processor.base import ProcessingInfo, ProcessorLimits
 from vlmserve.registry import family_of, load_model_config
 
@@ -54,9 +54,6 @@ def open_checkpoint(
         dict(config.mm_processor_kwargs),
     )
     return model_dir, model_config, family_of(model_config), ctx
-
-
-RUNNERS = ("auto", "generate", "pooling")
 
 
 def resolve_pooler(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> PoolerConfig | None:

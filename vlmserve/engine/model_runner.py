@@ -261,28 +261,24 @@ class ModelRunner:
         out.pooled. -> the batch with only the requests to sample (a pooling request verifies no
         drafts: one row each)."""
         assert self.pooler is not None, "a pooling request on a runner without a pooler"
-        pooled, rows, keep = [], [], []
+        pooled, pooled_rows, keep, kept_rows = [], [], [], []
         row = 0
         for i, (state, drafts) in enumerate(zip(batch.sampled, batch.drafts, strict=True)):
+            count = len(drafts) + 1
             if state.pooling_params is not None:
                 pooled.append(state)
-                rows.append(batch.sample_rows[row])
+                pooled_rows.append(batch.sample_rows[row])
             else:
                 keep.append(i)
-            row += len(drafts) + 1
-        vectors = self.pooler(hidden[batch.hidden_rows(rows)], [s.pooling_params for s in pooled])  # type: ignore[misc]
+                kept_rows += batch.sample_rows[row : row + count]
+            row += count
+        vectors = self.pooler(hidden[batch.hidden_rows(pooled_rows)], [s.pooling_params for s in pooled])  # type: ignore[misc]
         for state, vector in zip(pooled, vectors, strict=True):
             out.pooled[state.request_id] = vector
-        starts = [sum(len(d) + 1 for d in batch.drafts[:i]) for i in keep]
-        sample_rows = [
-            batch.sample_rows[start + j]
-            for start, i in zip(starts, keep, strict=True)
-            for j in range(len(batch.drafts[i]) + 1)
-        ]
         return replace(
             batch,
             sampled=[batch.sampled[i] for i in keep],
-            sample_rows=sample_rows,
+            sample_rows=kept_rows,
             drafts=[batch.drafts[i] for i in keep],
         )
 

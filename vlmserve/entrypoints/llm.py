@@ -460,13 +460,14 @@ class LLM:
                 ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
                 for o in outputs
             ]
-        sides = [pair[0] for pair in pairs] + [pair[1] for pair in pairs]
-        processed = [
-            pooling.process_embedding_input(self, item, where, instruction, truncate_prompt_tokens)
-            for where, item in sides
-        ]
-        embeddings = pooling.run_pooling(self, processed, PoolingParams(task="embed"), [lora_request] * len(processed))
-        return pooling.cosine_scores(embeddings, len(pairs), processed)
+        inputs = dict(side for pair in pairs for side in pair)  # each distinct input once, by its label
+        by_label = {
+            where: pooling.process_embedding_input(self, item, where, instruction, truncate_prompt_tokens)
+            for where, item in inputs.items()
+        }
+        prompts = list(by_label.values())
+        vectors = pooling.run_pooling(self, prompts, PoolingParams(task="embed"), [lora_request] * len(prompts))
+        return pooling.cosine_scores(pairs, dict(zip(by_label, vectors, strict=True)), by_label)
 
     # -- running ----------------------------------------------------------------------------------
 

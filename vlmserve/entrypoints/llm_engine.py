@@ -90,8 +90,7 @@ class LLMEngine:
         """A pooling model's request: its output (a PoolingRequestOutput) is its prompt's vector."""
         if request_id in self.output_processor.parents or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_runner(self.pooler, params)
-        self.core.check_fits(prompt)
+        self.core.check_fits(prompt)  # the core checks the runner and the params before it holds anything
         self.core.add_request(
             request_id, prompt, SamplingParams(max_tokens=1), lora_request=lora_request, pooling_params=params
         )
@@ -146,9 +145,9 @@ class LLMEngine:
         # A request whose step failed (the engine went on without it) ends as aborted, with its
         # other samples; the error is logged. Nothing else in the batch is lost.
         failed = self.core.take_failed()
-        pooling_failed = [f"pooling request {r} failed in the engine: {failed[r]}" for r in failed if r in self.pooling]
-        for request_id in [r for r in failed if r in self.pooling]:
-            del self.pooling[request_id]
+        pooling_failed = []
+        for request_id in [r for r in failed if self.pooling.pop(r, None) is not None]:
+            pooling_failed.append(f"pooling request {request_id} failed in the engine: {failed[request_id]}")
         for child_id, message in failed.items():
             sample = self.output_processor.samples.get(child_id)
             if sample is None:

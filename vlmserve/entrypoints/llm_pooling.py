@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vlmserve.api.retrieval import embedding_conversation, reranker_conversation
+from vlmserve.api.retrieval import embedding_conversation, is_content_parts, reranker_conversation
 from vlmserve.entrypoints.llm_engine import LLMEngine
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import ProcessedPrompt
@@ -86,8 +86,8 @@ def process_score_pair(
 
 def score_pairs(data_1: object, data_2: object) -> list[tuple[tuple[str, object], tuple[str, object]]]:
     """vLLM's pairing: one query against each document, or the lists pairwise (equal lengths)."""
-    firsts = [data_1] if not isinstance(data_1, list) or _is_parts(data_1) else list(data_1)
-    seconds = [data_2] if not isinstance(data_2, list) or _is_parts(data_2) else list(data_2)
+    firsts = [data_1] if not isinstance(data_1, list) or is_content_parts(data_1) else list(data_1)
+    seconds = [data_2] if not isinstance(data_2, list) or is_content_parts(data_2) else list(data_2)
     if not firsts or not seconds:
         raise ValueError("score needs at least one query and one document")
     single = len(firsts) == 1
@@ -128,23 +128,19 @@ def run_pooling(
 
 
 def cosine_scores(
-    embeddings: list[PoolingRequestOutput], pairs: int, prompts: list[ProcessedPrompt]
+    pairs: list[tuple[tuple[str, object], tuple[str, object]]],
+    vectors: dict[str, PoolingRequestOutput],
+    prompts: dict[str, ProcessedPrompt],
 ) -> list[ScoringRequestOutput]:
-    """An embedding model's scores: the cosine similarity of each pair's (normalised) embeddings
-    (the first `pairs` outputs the queries, the rest the documents)."""
+    """An embedding model's scores: the cosine similarity of each pair's embeddings (each input's
+    vector and prompt by its label)."""
     out = []
-    for i in range(pairs):
-        a, b = embeddings[i].outputs.data, embeddings[pairs + i].outputs.data
-        score = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-        ids = [*prompts[i].prompt_token_ids, *prompts[pairs + i].prompt_token_ids]
+    for i, ((a, _), (b, _)) in enumerate(pairs):
+        score = float(torch.nn.functional.cosine_similarity(vectors[a].outputs.data, vectors[b].outputs.data, dim=0))
+        ids = [*prompts[a].prompt_token_ids, *prompts[b].prompt_token_ids]
         out.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(score), ids))
     return out
 
 
 def _is_conversation(value: object) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def _is_parts(value: list[Any]) -> bool:
-    """A list of content parts (one multimodal query or document), not a list of inputs."""
-    return bool(value) and all(isinstance(p, dict) and "type" in p for p in value)
